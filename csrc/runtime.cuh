@@ -1,0 +1,76 @@
+// megart device runtime primitives: timers, acquire/release event counters, the watchdog.
+// Plain functions only; the worker loop that uses them is csrc/worker_loop.cuh.
+#pragma once
+namespace megart {
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned smid() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ long long ld_relaxed(const long long* p) {
+  long long v;
+  asm volatile("ld.relaxed.gpu.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Counting an event up publishes everything the CTA wrote before the preceding __syncthreads().
+__device__ __forceinline__ void signal_event(unsigned* events, int ev) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(events + ev) : "memory");
+}
+
+struct WaitSite {
+  int worker, queue_pos, type, instance;
+};
+
+// The first watchdog to fire records who waited on what; every other spinner sees `abort` and leaves.
+__device__ __noinline__ void raise_hang(long long* ctrl, const WaitSite& s, int ev, unsigned have, unsigned need) {
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + kCtrl_abort), 0ull, 1ull) == 0ull) {
+    ctrl[kCtrl_hang_worker] = s.worker;
+    ctrl[kCtrl_hang_queue_pos] = s.queue_pos;
+    ctrl[kCtrl_hang_type] = s.type;
+    ctrl[kCtrl_hang_instance] = s.instance;
+    ctrl[kCtrl_hang_event] = ev;
+    ctrl[kCtrl_hang_have] = have;
+    ctrl[kCtrl_hang_need] = need;
+    ctrl[kCtrl_abort_time] = (long long)globaltimer();
+    __threadfence();
+  }
+}
+
+// Spin until events[ev] reaches `need` (counters only grow; compared modulo 2^32). Returns false if
+// the watchdog fired here or anywhere else. The timer is read only on the slow path.
+__device__ __forceinline__ bool wait_event(unsigned* events, int ev, unsigned need, long long* ctrl,
+                                           long long watchdog_ns, const WaitSite& site) {
+  const unsigned* p = events + ev;
+  unsigned have = ld_acquire(p);
+  if ((int)(have - need) >= 0) return true;
+  const unsigned long long start = globaltimer();
+  for (unsigned iter = 1;; ++iter) {
+    have = ld_acquire(p);
+    if ((int)(have - need) >= 0) return true;
+    if ((iter & 31) == 0) {
+      if (ld_relaxed(ctrl + kCtrl_abort) != 0) return false;
+      if ((long long)(globaltimer() - start) > watchdog_ns) {
+        raise_hang(ctrl, site, ev, have, need);
+        return false;
+      }
+      if (iter > 4096) __nanosleep(128);  // long waits back off so spinners do not crowd the L2 slice
+    }
+  }
+}
+
+}  // namespace megart

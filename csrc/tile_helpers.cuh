@@ -1,0 +1,39 @@
+// Helpers task bodies share: vector loads, warp/block reductions, L2 prefetch.
+#pragma once
+namespace megart {
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the whole CTA; `scratch` needs one float per warp. Every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[wid] = v;
+  __syncthreads();
+  v = lane < nwarp ? scratch[lane] : 0.f;
+  return warp_sum(v);
+}
+
+// Ask the copy engine to pull [p, p + bytes) into L2 ahead of use (sm_90 bulk prefetch, 16-byte units).
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long bytes) {
+  const char* c = static_cast<const char*>(p);
+  while (bytes >= 16) {
+    const unsigned chunk = bytes > (1u << 20) ? (1u << 20) : (unsigned)(bytes & ~15ull);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(chunk) : "memory");
+    c += chunk;
+    bytes -= chunk;
+  }
+}
+
+}  // namespace megart

@@ -1,0 +1,187 @@
+"""NVRTC compilation through cuda.core, with a disk cache (CuPy/Triton style) and the ptxas report.
+
+Cache: MEGART_CACHE_DIR (default ~/.cache/megart), disabled with MEGART_DISABLE_CACHE=1. The key
+hashes the full source, the options, the NVRTC version and the arch. Each entry is a cubin plus a
+JSON file holding the ptxas report and the cubin's hash; both are written to a temp file and
+renamed into place, and an entry whose hash does not match is treated as a miss and rewritten."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .codegen import FILE_NAME, Source
+from .errors import CompileError
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class PtxasReport:
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    stack_bytes: int = 0
+    smem_bytes: int = 0      # static shared memory
+    barriers: int = 0
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.spill_stores + self.spill_loads
+
+
+@dataclass
+class Compiled:
+    cubin: bytes
+    report: PtxasReport
+    key: str
+    arch: str
+    cache_hit: bool
+    log: str = ""
+    path: Path | None = None
+
+
+def parse_ptxas(log: str, kernel: str) -> PtxasReport:
+    """Pull the entry function's resource use out of a `ptxas -v` log."""
+    r = PtxasReport()
+    section = log.split(f"Function properties for {kernel}")
+    text = section[1] if len(section) > 1 else log
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if m:
+        r.stack_bytes, r.spill_stores, r.spill_loads = map(int, m.groups())
+    m = re.search(r"Used (\d+) registers", text)
+    if m:
+        r.registers = int(m.group(1))
+    m = re.search(r"used (\d+) barriers", text)
+    if m:
+        r.barriers = int(m.group(1))
+    m = re.search(r"(\d+) bytes smem", text)
+    if m:
+        r.smem_bytes = int(m.group(1))
+    return r
+
+
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+    err, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+def include_paths() -> list[str]:
+    """CUDA headers (cuda_bf16.h, cuda_fp8.h) from pip wheels or the toolkit, via cuda.pathfinder."""
+    from cuda.pathfinder import find_nvidia_header_directory
+    paths = []
+    for lib in ("cudart", "cccl"):
+        try:
+            p = find_nvidia_header_directory(lib)
+        except Exception:
+            p = None
+        if p:
+            paths.append(str(p))
+    if not paths:
+        raise CompileError("CUDA headers not found: install nvidia-cuda-runtime (pip) or a CUDA toolkit")
+    return paths
+
+
+def cache_dir() -> Path | None:
+    if os.environ.get("MEGART_DISABLE_CACHE", "") not in ("", "0"):
+        return None
+    return Path(os.environ.get("MEGART_CACHE_DIR", Path.home() / ".cache" / "megart"))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _options(arch: str) -> dict:
+    return dict(arch=arch, std="c++17", ptxas_options=["-v"], name=FILE_NAME)
+
+
+def cache_key(src: Source, arch: str) -> str:
+    h = hashlib.sha256()
+    for part in (f"megart-cache-{CACHE_VERSION}", nvrtc_version(), arch, json.dumps(_options(arch)), src.text):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def _load_cached(d: Path, key: str) -> Compiled | None:
+    meta_p, bin_p = d / f"{key}.json", d / f"{key}.cubin"
+    try:
+        meta = json.loads(meta_p.read_text())
+        cubin = bin_p.read_bytes()
+        if hashlib.sha256(cubin).hexdigest() != meta["cubin_sha256"]:
+            return None
+        return Compiled(cubin, PtxasReport(**meta["report"]), key, meta["arch"], True, meta.get("log", ""), bin_p)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None   # missing or corrupt: recompile and overwrite
+
+
+def annotate_log(log: str, src: Source) -> str:
+    """Add, after each `megart_kernel.cu(N)` mention, the task/runtime file and line it came from."""
+    lines_src = src.text.split("\n")
+    out = []
+    for line in log.splitlines():
+        out.append(line)
+        m = re.search(re.escape(FILE_NAME) + r"\((\d+)\)", line)
+        if m:
+            n = int(m.group(1))
+            origin = src.origin(n)
+            code = lines_src[n - 1].strip() if 0 < n <= len(lines_src) else ""
+            if origin:
+                out.append(f"    -> {origin[0]}:{origin[1]}: {code}")
+    return "\n".join(out)
+
+
+def compile_source(src: Source, arch: str, use_cache: bool = True) -> Compiled:
+    """Compile to a cubin for `arch` (e.g. "sm_90a"). Works without a GPU."""
+    if not re.fullmatch(r"sm_\d+a?", arch):
+        raise CompileError(f"arch must look like 'sm_90a', got {arch!r}")
+    key = cache_key(src, arch)
+    d = cache_dir() if use_cache else None
+    if d is not None:
+        hit = _load_cached(d, key)
+        if hit is not None:
+            return hit
+    from cuda.core import Program, ProgramOptions
+
+    class _Log:
+        def __init__(self):
+            self.parts = []
+
+        def write(self, s):
+            self.parts.append(s)
+
+    log = _Log()
+    opts = ProgramOptions(arch=arch, std="c++17", ptxas_options=["-v"], name=FILE_NAME,
+                          include_path=include_paths())
+    try:
+        prog = Program(src.text, "c++", opts)
+        obj = prog.compile("cubin", logs=log)
+    except Exception as exc:
+        text = "".join(log.parts) or str(exc)
+        raise CompileError("NVRTC could not compile the generated kernel:\n" + annotate_log(text, src),
+                           log=text, source=src.text) from None
+    from .codegen import KERNEL_NAME
+    text = "".join(log.parts)
+    report = parse_ptxas(text, KERNEL_NAME)
+    compiled = Compiled(bytes(obj.code), report, key, arch, False, text)
+    if d is not None:
+        meta = dict(arch=arch, report=asdict(report), log=text, cubin_sha256=hashlib.sha256(compiled.cubin).hexdigest())
+        _atomic_write(d / f"{key}.cubin", compiled.cubin)
+        _atomic_write(d / f"{key}.cu", src.text.encode())
+        _atomic_write(d / f"{key}.json", json.dumps(meta, indent=1).encode())
+        compiled.path = d / f"{key}.cubin"
+    return compiled

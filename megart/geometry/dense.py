@@ -1,0 +1,1 @@
+"""Dense and MoE decode geometry (M = 1)."""

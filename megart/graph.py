@@ -1,0 +1,204 @@
+"""The user's task graph: tensors, task instances grouped by call, explicit events, grid barriers,
+and the data dependencies inferred from which byte ranges each instance reads and writes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from . import registry
+from .errors import GraphError
+from .registry import TaskType
+from .tensors import Tensor, TensorRef, as_ref
+
+
+@dataclass(frozen=True)
+class Event:
+    """A user-declared event: instances that list it in `signals` count it up; waiters need all of them."""
+    index: int
+    name: str
+
+
+@dataclass
+class Instance:
+    uid: int                       # position in program order (the global order waits respect)
+    group: int
+    type: TaskType
+    params: dict                   # param name -> TensorRef | int | float
+    epoch: int                     # grid barriers passed before this instance
+    worker: int | None = None      # pinned worker, if the caller asked
+    deps: set = field(default_factory=set)      # uids this instance must run after (data or `after=`)
+    waits: list = field(default_factory=list)   # explicit user Events
+    signals: list = field(default_factory=list)
+
+    @property
+    def is_barrier(self) -> bool:
+        return self.type.id == registry.BARRIER_ID
+
+    def label(self) -> str:
+        return f"{self.type.name}#{self.uid}"
+
+
+@dataclass
+class Group:
+    """The instances one `task()` call (or one barrier) created."""
+    index: int
+    type: TaskType
+    uids: list
+    label: str
+
+
+class Graph:
+    def __init__(self, nw: int, device):
+        self.nw = nw
+        self.device = device
+        self.tensors: dict[str, Tensor] = {}
+        self.instances: list[Instance] = []
+        self.groups: list[Group] = []
+        self.events: list[Event] = []
+        self.epoch = 0
+        self._accesses: dict[int, list] = {}   # tensor base ptr -> [(lo, hi, uid, is_write)]
+
+    # --- building ---------------------------------------------------------------------------
+    def tensor(self, obj, name: str | None = None) -> Tensor:
+        name = name or f"t{len(self.tensors)}"
+        if name in self.tensors:
+            raise GraphError(f"a tensor named {name!r} already exists")
+        t = Tensor(obj, name, self.device)
+        self.tensors[name] = t
+        return t
+
+    def event(self, name: str | None = None) -> Event:
+        ev = Event(len(self.events), name or f"event{len(self.events)}")
+        self.events.append(ev)
+        return ev
+
+    def barrier(self) -> Group:
+        """A grid barrier: every worker arrives; nothing after it starts until all have arrived."""
+        btype = registry.get(registry.BARRIER_ID)
+        g = Group(len(self.groups), btype, [], f"barrier{self.epoch}")
+        for w in range(self.nw):
+            inst = Instance(len(self.instances), g.index, btype, {}, self.epoch, worker=w)
+            self.instances.append(inst)
+            g.uids.append(inst.uid)
+        self.groups.append(g)
+        self.epoch += 1
+        return g
+
+    def task(self, task, *, tiles: int = 1, waits=(), signals=(), after=(), worker=None,
+             infer: bool = True, label: str | None = None, **args) -> Group:
+        ttype = registry.get(task)
+        if ttype.id == registry.BARRIER_ID:
+            raise GraphError("use barrier() for grid barriers")
+        for ev in (*waits, *signals):
+            if not isinstance(ev, Event) or ev.index >= len(self.events) or self.events[ev.index] is not ev:
+                raise GraphError(f"{ttype.name}: waits/signals take events made by this kernel's event()")
+        per_instance = self._split(ttype, tiles, args)
+        workers = self._workers(ttype, worker, len(per_instance))
+        g = Group(len(self.groups), ttype, [], label or ttype.name)
+        after_uids = set()
+        for other in after:
+            if not isinstance(other, Group) or other.index >= len(self.groups):
+                raise GraphError(f"{ttype.name}: after= takes groups returned by task()/barrier()")
+            after_uids.update(other.uids)
+        for params, w in zip(per_instance, workers):
+            inst = Instance(len(self.instances), g.index, ttype, params, self.epoch, worker=w,
+                            waits=list(waits), signals=list(signals))
+            inst.deps |= {u for u in after_uids if self.instances[u].epoch == self.epoch}
+            if infer:
+                inst.deps |= self._infer(inst)
+            self.instances.append(inst)
+            g.uids.append(inst.uid)
+        self.groups.append(g)
+        return g
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _split(self, ttype: TaskType, tiles: int, args: dict) -> list[dict]:
+        known = {p.name for p in ttype.params}
+        if ttype.split is None:
+            unknown = set(args) - known
+            if unknown:
+                raise GraphError(f"{ttype.name}: unknown parameter(s) {sorted(unknown)}; takes {sorted(known)}")
+            if tiles != 1:
+                raise GraphError(f"{ttype.name}: has no splitter, so tiles must be 1 (pass one call per instance)")
+            per_instance = [dict(args)]
+        else:
+            try:
+                per_instance = ttype.split(nw=self.nw, tiles=tiles, **args)
+            except TypeError as exc:
+                raise GraphError(f"{ttype.name}: bad arguments {sorted(args)}: {exc}") from exc
+        if not per_instance:
+            raise GraphError(f"{ttype.name}: the call produced no instances")
+        return [self._check_params(ttype, p) for p in per_instance]
+
+    def _check_params(self, ttype: TaskType, params: dict) -> dict:
+        missing = [p.name for p in ttype.params if p.name not in params]
+        if missing:
+            raise GraphError(f"{ttype.name}: missing parameter(s) {missing}")
+        out = {}
+        for p in ttype.params:
+            v = params[p.name]
+            if p.kind == "ptr":
+                ref = as_ref(v, p.name)
+                if ref.tensor.dtype != p.dtype:
+                    raise GraphError(f"{ttype.name}: parameter {p.name!r} needs {p.dtype}, "
+                                     f"tensor {ref.tensor.name!r} is {ref.tensor.dtype}")
+                if self.tensors.get(ref.tensor.name) is not ref.tensor:
+                    raise GraphError(f"{ttype.name}: tensor {ref.tensor.name!r} was not added to this kernel")
+                out[p.name] = ref
+            elif p.kind == "f32":
+                out[p.name] = float(v)
+            else:
+                if int(v) != v:
+                    raise GraphError(f"{ttype.name}: parameter {p.name!r} must be an integer, got {v!r}")
+                out[p.name] = int(v)
+                lim = 2**31 if p.kind == "i32" else 2**63
+                if not -lim <= out[p.name] < lim:
+                    raise GraphError(f"{ttype.name}: parameter {p.name!r}={v} overflows {p.kind}")
+        return out
+
+    def _workers(self, ttype: TaskType, worker, n: int) -> list:
+        if worker is None:
+            return [None] * n
+        ws = [worker] * n if isinstance(worker, int) else list(worker)
+        if len(ws) != n:
+            raise GraphError(f"{ttype.name}: worker= lists {len(ws)} workers for {n} instances")
+        for w in ws:
+            if not 0 <= w < self.nw:
+                raise GraphError(f"{ttype.name}: worker {w} is outside [0, {self.nw})")
+        return ws
+
+    def _infer(self, inst: Instance) -> set:
+        """Read-after-write, write-after-read and write-after-write dependencies on earlier instances
+        of this barrier epoch, by byte-range overlap. A write that covers earlier accesses retires
+        them: later accessors depend on the write, which already depends on them."""
+        deps = set()
+        accesses = []
+        for p in inst.type.params:
+            if p.kind != "ptr":
+                continue
+            lo, hi = inst.params[p.name].byte_range
+            if p.reads:
+                accesses.append((lo, hi, False))
+            if p.writes:
+                accesses.append((lo, hi, True))
+        for lo, hi, is_write in accesses:
+            for plo, phi, puid, pwrite in self._accesses.get(self.epoch, []):
+                if plo < hi and lo < phi and (is_write or pwrite) and puid != inst.uid:
+                    deps.add(puid)
+        table = self._accesses.setdefault(self.epoch, [])
+        for lo, hi, is_write in accesses:
+            if is_write:
+                table[:] = [a for a in table if not (lo <= a[0] and a[1] <= hi)]
+            table.append((lo, hi, inst.uid, is_write))
+        self._accesses = {self.epoch: table}   # earlier epochs are ordered by the barrier
+        return deps
+
+    def host_views(self, inst: Instance, host: dict) -> SimpleNamespace:
+        """The instance's parameters as CPU torch views into `host` (tensor name -> flat tensor)."""
+        ns = {}
+        for name, v in inst.params.items():
+            if isinstance(v, TensorRef):
+                ns[name] = host[v.tensor.name].view(-1)[v.offset:v.offset + v.count]
+            else:
+                ns[name] = v
+        return SimpleNamespace(**ns)

@@ -1,0 +1,219 @@
+"""PersistentKernel: build a task graph, then compile it into one persistent megakernel and run it.
+
+    pk = megart.PersistentKernel(nw=132)
+    x = pk.tensor(torch_or_cupy_array)
+    pk.task("axpy", y=y, x=x, a=2.0, tiles=132)
+    pk.compile()          # schedule -> verify -> codegen -> NVRTC (cached) -> load, co-residency check
+    pk()                  # one launch = one step; call again for the next step, no reset launch
+    pk.profile().by_task("axpy")
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+from . import codegen, occupancy, registry
+from .compile import Compiled, compile_source
+from .emulate import emulate as _emulate
+from .errors import DeviceError, GraphError, HangError
+from .graph import Graph
+from .layout import CTRL, SPAN_WORDS
+from .schedule import Schedule, build
+from .verify import verify as _verify
+
+DEFAULT_ARCH = "sm_90a"
+DEFAULT_CPU_SMS = 132   # the H200 this project targets, used when there is no GPU to ask
+
+
+def _watchdog_default() -> float:
+    return float(os.environ.get("MEGART_WATCHDOG_S", "5"))
+
+
+class PersistentKernel:
+    """A graph of task instances run by `nw` co-resident worker CTAs in one launch per step."""
+
+    def __init__(self, nw: int | None = None, *, device=None, arch: str | None = None, threads: int = 256,
+                 profile: bool = False, profile_steps: int = 16, watchdog_s: float | None = None,
+                 lookahead: int = 1, source_overrides: dict | None = None, sm_count: int | None = None):
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise DeviceError("device='cuda' but no CUDA device is visible")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            props = torch.cuda.get_device_properties(self.device)
+            self.sm_count = props.multi_processor_count
+            self.arch = arch or f"sm_{props.major}{props.minor}" + ("a" if props.major >= 9 else "")
+        elif self.device.type == "cpu":
+            self.sm_count = sm_count or DEFAULT_CPU_SMS
+            self.arch = arch or DEFAULT_ARCH
+        else:
+            raise DeviceError(f"unsupported device {device!r}: use 'cuda' (or 'cpu' for emulation only)")
+        self.nw = self.sm_count if nw is None else nw
+        if not isinstance(self.nw, int) or self.nw < 1:
+            raise GraphError(f"nw must be a positive int, got {nw!r}")
+        if threads % 32 or not 32 <= threads <= 1024:
+            raise GraphError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+        if profile_steps < 1:
+            raise GraphError(f"profile_steps must be >= 1, got {profile_steps}")
+        self.threads = threads
+        self.profiling = profile
+        self.profile_steps = profile_steps
+        self.watchdog_s = _watchdog_default() if watchdog_s is None else float(watchdog_s)
+        if not 0 < self.watchdog_s < 3600:
+            raise GraphError(f"watchdog_s must be in (0, 3600), got {self.watchdog_s}")
+        self.lookahead = lookahead
+        self.source_overrides = dict(source_overrides or {})
+        self.graph = Graph(self.nw, self.device)
+        self.schedule: Schedule | None = None
+        self.compiled: Compiled | None = None
+        self.source = None
+        self.occupancy: occupancy.Occupancy | None = None
+        self._rt = None
+
+    # --- graph building (delegates to Graph, refused once compiled) -------------------------------
+    def _building(self):
+        if self.schedule is not None:
+            raise GraphError("the kernel is compiled; build a new PersistentKernel to change the graph")
+        return self.graph
+
+    def tensor(self, obj, name: str | None = None):
+        return self._building().tensor(obj, name)
+
+    def event(self, name: str | None = None):
+        return self._building().event(name)
+
+    def task(self, task, **kw):
+        return self._building().task(task, **kw)
+
+    def barrier(self):
+        return self._building().barrier()
+
+    # --- compile ----------------------------------------------------------------------------------
+    @property
+    def task_types(self) -> list:
+        return sorted({i.type.id: i.type for i in self.graph.instances}.values(), key=lambda t: t.id)
+
+    def smem_bytes(self) -> int:
+        return max([t.smem_bytes for t in self.task_types] + [0])
+
+    def compile(self, verify: bool = True) -> "PersistentKernel":
+        """Schedule, verify (unless told not to: tests of the watchdog), generate, compile and, on a
+        GPU, load and check co-residency. Raises before any launch if anything would fail."""
+        schedule = build(self.graph)
+        if verify:
+            _verify(schedule)
+        min_blocks = max(1, math.ceil(self.nw / self.sm_count))
+        cfg = codegen.KernelConfig(threads=self.threads, profile=self.profiling, lookahead=self.lookahead,
+                                   min_blocks=min_blocks)
+        self.source = codegen.generate(self.task_types, cfg, self.source_overrides)
+        self.compiled = compile_source(self.source, self.arch)
+        r = self.compiled.report
+        smem = self.smem_bytes()
+        self.occupancy = occupancy.blocks_per_sm(r.registers, self.threads, r.smem_bytes + smem,
+                                                 occupancy.limits_for(self.arch, self.sm_count))
+        occupancy.check(self.nw, self.occupancy, self.sm_count)
+        self.schedule = schedule
+        if self.device.type == "cuda":
+            from .launch import DeviceRuntime
+            self._rt = DeviceRuntime(self.compiled.cubin, schedule, self.device, self.threads, smem)
+            driver_fit = self._rt.driver_blocks_per_sm(self.threads)
+            if driver_fit < self.occupancy.per_sm:
+                self.occupancy = occupancy.Occupancy(driver_fit, self.occupancy.limiter + " (driver)",
+                                                     self.occupancy.detail)
+            occupancy.check(self.nw, self.occupancy, self.sm_count)
+            if self.profiling:
+                self._rt.set_span_buffer(self.profile_steps, 1)
+        return self
+
+    @property
+    def report(self):
+        """ptxas resource report of the compiled kernel (registers, spills, stack, shared memory)."""
+        self._need_compiled()
+        return self.compiled.report
+
+    def _need_compiled(self):
+        if self.schedule is None:
+            raise GraphError("call compile() first")
+
+    def _need_gpu(self):
+        self._need_compiled()
+        if self._rt is None:
+            raise DeviceError("this kernel was built without a CUDA device: it can compile, verify and "
+                              "emulate(), but running it needs a GPU")
+
+    # --- run ----------------------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Enqueue one step on the current torch stream and return at once (no error check)."""
+        self._need_gpu()
+        self._rt.launch(int(self.watchdog_s * 1e9))
+
+    def check(self) -> int:
+        """Wait for enqueued steps (bounded), raise HangError if a watchdog fired; return the step count."""
+        self._need_gpu()
+        ctrl = self._rt.wait(timeout_s=self.watchdog_s * 2 + 10)
+        if ctrl[CTRL["abort"]]:
+            rec = self._hang_record(ctrl)
+            self._rt.reset_after_abort()
+            raise HangError(
+                f"watchdog: worker {rec['worker']} waited over {self.watchdog_s:g} s at queue position "
+                f"{rec['queue_pos']} ({rec['task']}#{rec['instance']}) on event {rec['event']} "
+                f"{rec['event_name']!r}: have {rec['have']}, need {rec['need']}. All workers returned; "
+                "the counters were reset, so the next launch starts from step 1.", record=rec)
+        return int(ctrl[CTRL["step"]])
+
+    def __call__(self, steps: int = 1) -> int:
+        """Run `steps` steps (one launch each), then check; returns the number of completed steps."""
+        for _ in range(steps):
+            self.launch()
+        return self.check()
+
+    def _hang_record(self, ctrl: np.ndarray) -> dict:
+        ev = int(ctrl[CTRL["hang_event"]])
+        tid = int(ctrl[CTRL["hang_type"]])
+        try:
+            name = registry.get(tid).name
+        except Exception:
+            name = f"task{tid}"
+        events = self.schedule.events
+        return dict(worker=int(ctrl[CTRL["hang_worker"]]), queue_pos=int(ctrl[CTRL["hang_queue_pos"]]),
+                    task=name, task_id=tid, instance=int(ctrl[CTRL["hang_instance"]]), event=ev,
+                    event_name=events[ev].name if 0 <= ev < len(events) else "?",
+                    have=int(ctrl[CTRL["hang_have"]]), need=int(ctrl[CTRL["hang_need"]]))
+
+    @property
+    def step(self) -> int:
+        """Completed steps (read from the device)."""
+        self._need_gpu()
+        return int(self._rt.ctrl[CTRL["step"]].item())
+
+    # --- emulate / profile --------------------------------------------------------------------------
+    def emulate(self, steps: int = 1, seed: int = 0, host: dict | None = None) -> dict:
+        """Run the compiled schedule on the CPU with each task's reference; {tensor name: CPU tensor}."""
+        self._need_compiled()
+        return _emulate(self.schedule, steps, seed, host)
+
+    def reset_profile(self, steps: int | None = None) -> None:
+        """Record the next `steps` steps (default profile_steps) into a cleared span buffer."""
+        self._need_gpu()
+        if not self.profiling:
+            raise GraphError("profiling is compiled out; build the kernel with profile=True")
+        torch.cuda.synchronize(self.device)
+        self.profile_steps = steps or self.profile_steps
+        self._rt.set_span_buffer(self.profile_steps, self.step + 1)
+
+    def profile(self):
+        """Spans of the recorded steps as a megart.profile.Profile (per task type by numeric id)."""
+        from .profile import Profile
+        self._need_gpu()
+        if not self.profiling:
+            raise GraphError("profiling is compiled out; build the kernel with profile=True")
+        self.check()
+        recs = self._rt.spans.view(-1, SPAN_WORDS).cpu().numpy()
+        overflow = int(self._rt.ctrl[CTRL["span_overflow"]].item())
+        return Profile(recs, registry.names_by_id(), overflow=overflow, nw=self.nw)

@@ -1,0 +1,99 @@
+"""Plain-data layouts shared by host and device, declared once here.
+
+Codegen turns these tables into `megart_layout.h` (constexpr indices); the host packs and reads
+buffers with the same tables. Changing a layout here changes both sides together.
+"""
+from __future__ import annotations
+
+# --- task descriptor: a fixed-size record per task instance --------------------------------------
+MAX_WAITS = 4          # events one instance may wait on
+MAX_SIGNALS = 2        # events one instance may signal
+PARAM_WORDS = 16       # 8-byte parameter slots per instance
+
+# int32 header fields, in order; wait_event[i]/wait_count[i]/signal_event[i] are arrays.
+HEADER_FIELDS = (
+    ("type", 1),
+    ("instance", 1),
+    ("n_wait", 1),
+    ("n_signal", 1),
+    ("flags", 1),
+    ("queue_pos", 1),
+    ("wait_event", MAX_WAITS),
+    ("wait_count", MAX_WAITS),
+    ("signal_event", MAX_SIGNALS),
+)
+HEADER_INTS = sum(n for _, n in HEADER_FIELDS)
+assert HEADER_INTS <= 16
+HEADER_INTS = 16                      # padded so params start 8-byte aligned at byte 64
+DESC_WORDS = HEADER_INTS // 2 + PARAM_WORDS   # descriptor size in 8-byte words
+DESC_BYTES = DESC_WORDS * 8
+
+
+def header_offsets() -> dict[str, int]:
+    """int32 index of each header field."""
+    out, pos = {}, 0
+    for name, n in HEADER_FIELDS:
+        out[name] = pos
+        pos += n
+    return out
+
+
+# descriptor flags
+FLAG_SIGNAL_FIRST = 1  # signal before waiting (grid barrier arrival)
+
+# --- control block: int64 words the kernel and host share ------------------------------------------
+CTRL_FIELDS = (
+    "step",          # last completed step (generation); a launch runs step+1
+    "done",          # monotonic count of workers that finished, nw per step
+    "abort",         # nonzero once a watchdog fired; every spinner checks it
+    "hang_worker",
+    "hang_queue_pos",
+    "hang_type",
+    "hang_event",
+    "hang_have",
+    "hang_need",
+    "hang_instance",
+    "span_base",     # first step recorded into the span buffer
+    "span_cap",      # number of steps the span buffer holds
+    "span_overflow", # records dropped because their step was past the buffer
+    "abort_time",
+)
+CTRL_WORDS = 16
+assert len(CTRL_FIELDS) <= CTRL_WORDS
+CTRL = {name: i for i, name in enumerate(CTRL_FIELDS)}
+
+# --- span record: int64 words per executed instance ------------------------------------------------
+SPAN_FIELDS = ("type_id", "instance", "worker", "smid", "wait_start", "body_begin", "body_end", "step")
+SPAN_WORDS = len(SPAN_FIELDS)
+SPAN = {name: i for i, name in enumerate(SPAN_FIELDS)}
+
+
+def layout_header() -> str:
+    """C++ text of the plain-data layout header (no logic)."""
+    lines = [
+        "// Generated from megart/layout.py. Do not edit: change the Python table instead.",
+        "#pragma once",
+        "namespace megart {",
+        f"constexpr int kMaxWaits = {MAX_WAITS};",
+        f"constexpr int kMaxSignals = {MAX_SIGNALS};",
+        f"constexpr int kParamWords = {PARAM_WORDS};",
+        f"constexpr int kHeaderInts = {HEADER_INTS};",
+        f"constexpr int kDescWords = {DESC_WORDS};",
+        f"constexpr int kFlagSignalFirst = {FLAG_SIGNAL_FIRST};",
+        f"constexpr int kSpanWords = {SPAN_WORDS};",
+    ]
+    for name, idx in header_offsets().items():
+        lines.append(f"constexpr int kHdr_{name} = {idx};")
+    for name, idx in CTRL.items():
+        lines.append(f"constexpr int kCtrl_{name} = {idx};")
+    for name, idx in SPAN.items():
+        lines.append(f"constexpr int kSpan_{name} = {idx};")
+    lines += [
+        "struct alignas(16) TaskDesc {",
+        "  int hdr[kHeaderInts];",
+        "  unsigned long long params[kParamWords];",
+        "};",
+        f"static_assert(sizeof(TaskDesc) == {DESC_BYTES}, \"descriptor size drifted from layout.py\");",
+        "}  // namespace megart",
+    ]
+    return "\n".join(lines) + "\n"

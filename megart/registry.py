@@ -1,0 +1,185 @@
+"""The task-type table: each task type is declared once (name, stable numeric id, parameter
+layout, device source, CPU reference, instance splitter, cost model). The C++ parameter structs
+and the dispatch switch are generated from these declarations; nothing else names a task id."""
+from __future__ import annotations
+
+import keyword
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import RegistryError
+from .layout import PARAM_WORDS
+from .tensors import DTYPES
+
+SCALAR_KINDS = {"i32": "int", "f32": "float", "i64": "long long"}
+# "weight": read-only for the whole kernel, so the body may use the non-coherent read-only path;
+# "in": read, but possibly written by another task of the same launch, so plain coherent loads.
+ACCESS = ("in", "weight", "out", "inout")
+BARRIER_ID = 1          # the runtime's own grid-barrier arrival; has no body
+USER_ID_BASE = 1000     # ids below are megart's own; user task types take ids from here up
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One 8-byte parameter slot: a pre-offset pointer (with element dtype and access) or a scalar."""
+    name: str
+    kind: str                 # "ptr" | "i32" | "f32" | "i64"
+    dtype: str | None = None  # element dtype of a pointer
+    access: str | None = None  # "in" | "weight" | "out" | "inout" for pointers
+
+    @property
+    def reads(self) -> bool:
+        return self.kind == "ptr" and self.access in ("in", "weight", "inout")
+
+    @property
+    def writes(self) -> bool:
+        return self.kind == "ptr" and self.access in ("out", "inout")
+
+    def c_decl(self) -> str:
+        if self.kind == "ptr":
+            ctype = DTYPES[self.dtype][1]
+            if self.access == "weight":
+                return f"const {ctype}* __restrict__ {self.name};"
+            const = "const " if self.access == "in" else ""
+            return f"{const}{ctype}* {self.name};"
+        ctype = SCALAR_KINDS[self.kind]
+        if self.kind == "i64":
+            return f"{ctype} {self.name};"
+        return f"{ctype} {self.name}; int _pad_{self.name};"
+
+
+def ptr(name: str, dtype: str, access: str = "in") -> Param:
+    return Param(name, "ptr", dtype, access)
+
+
+def scalar(name: str, kind: str = "i32") -> Param:
+    return Param(name, kind)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one call of a task moves and computes, for achieved-bandwidth figures."""
+    bytes: int
+    flops: int = 0
+
+
+@dataclass(frozen=True)
+class TaskType:
+    name: str
+    id: int
+    params: tuple[Param, ...]
+    source: str                       # "tasks/<file>.cuh" under the source root, or an absolute path
+    reference: Callable               # reference(p) -> None: one instance on CPU torch views, in place
+    split: Callable | None = None     # split(nw=, tiles=, **args) -> list[dict]: per-instance params
+    cost: Callable | None = None      # cost(**args) -> Cost for the whole call
+    smem_bytes: int = 0               # dynamic shared memory one instance needs
+    prefetch: bool = False            # source defines megart_prefetch_<name>(p) (weights to L2)
+    doc: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def struct_name(self) -> str:
+        return f"megart_params_{self.name}"
+
+    @property
+    def body_name(self) -> str:
+        return f"megart_task_{self.name}"
+
+    @property
+    def prefetch_name(self) -> str:
+        return f"megart_prefetch_{self.name}"
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+_BY_NAME: dict[str, TaskType] = {}
+_BY_ID: dict[int, TaskType] = {}
+
+
+def _validate(t: TaskType, builtin: bool) -> None:
+    if not _IDENT.match(t.name) or keyword.iskeyword(t.name):
+        raise RegistryError(f"task name {t.name!r} must be a C/Python identifier")
+    if not isinstance(t.id, int) or t.id <= 0:
+        raise RegistryError(f"task {t.name!r}: id must be a positive int, got {t.id!r}")
+    if builtin and t.id >= USER_ID_BASE:
+        raise RegistryError(f"built-in task {t.name!r}: ids >= {USER_ID_BASE} are for user task types")
+    if not builtin and t.id < USER_ID_BASE:
+        raise RegistryError(f"user task {t.name!r}: id {t.id} is reserved; use an id >= {USER_ID_BASE}")
+    if len(t.params) > PARAM_WORDS:
+        raise RegistryError(f"task {t.name!r} has {len(t.params)} parameters; the descriptor holds {PARAM_WORDS}")
+    seen = set()
+    for p in t.params:
+        if not _IDENT.match(p.name) or p.name in seen:
+            raise RegistryError(f"task {t.name!r}: bad or duplicate parameter name {p.name!r}")
+        seen.add(p.name)
+        if p.kind == "ptr":
+            if p.dtype not in DTYPES:
+                raise RegistryError(f"task {t.name!r} parameter {p.name!r}: unknown dtype {p.dtype!r}")
+            if p.access not in ACCESS:
+                raise RegistryError(f"task {t.name!r} parameter {p.name!r}: access must be one of {ACCESS}")
+        elif p.kind not in SCALAR_KINDS:
+            raise RegistryError(f"task {t.name!r} parameter {p.name!r}: kind must be ptr or one of {sorted(SCALAR_KINDS)}")
+    if not callable(t.reference):
+        raise RegistryError(f"task {t.name!r}: a CPU reference for one instance is required")
+    if t.id != BARRIER_ID and not builtin and not Path(t.source).is_file():
+        raise RegistryError(f"task {t.name!r}: device source {t.source!r} not found")
+
+
+def register(t: TaskType, *, builtin: bool = False) -> TaskType:
+    """Add a task type. Re-registering an identical declaration is a no-op; a clash is an error."""
+    _validate(t, builtin)
+    old = _BY_NAME.get(t.name)
+    if old is not None:
+        if old.id == t.id and old.source == t.source and old.params == t.params:
+            return old
+        raise RegistryError(f"task name {t.name!r} is already registered (id {old.id})")
+    if t.id in _BY_ID:
+        raise RegistryError(f"task id {t.id} is already taken by {_BY_ID[t.id].name!r}")
+    _BY_NAME[t.name] = t
+    _BY_ID[t.id] = t
+    return t
+
+
+def register_task(name: str, id: int, params, source: str | Path, reference: Callable, **kw) -> TaskType:
+    """Register a user task type whose device body lives in `source` (a .cuh file defining
+    `__device__ void megart_task_<name>(const megart_params_<name>& p, char* smem)`)."""
+    return register(TaskType(name=name, id=id, params=tuple(params), source=str(Path(source).resolve()),
+                             reference=reference, **kw))
+
+
+def get(task) -> TaskType:
+    """Look a task type up by name or numeric id."""
+    if isinstance(task, TaskType):
+        return task
+    _load_builtins()
+    table, kind = (_BY_ID, "id") if isinstance(task, int) else (_BY_NAME, "name")
+    try:
+        return table[task]
+    except KeyError:
+        raise RegistryError(f"unknown task {kind} {task!r}; registered: {sorted(_BY_NAME)}") from None
+
+
+def all_types() -> list[TaskType]:
+    _load_builtins()
+    return sorted(_BY_ID.values(), key=lambda t: t.id)
+
+
+def names_by_id() -> dict[int, str]:
+    return {t.id: t.name for t in all_types()}
+
+
+_loaded = False
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from . import tasks  # noqa: F401  (registers the built-in task types)

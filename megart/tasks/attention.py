@@ -1,0 +1,1 @@
+"""Attention decode task types (ids 64-95)."""

@@ -1,0 +1,1 @@
+"""Dense decode task types (ids 16-63)."""

@@ -1,0 +1,25 @@
+"""Small helpers task declarations share to cut work into instances."""
+from __future__ import annotations
+
+from ..errors import GraphError
+
+
+def even_tiles(n: int, tiles: int, align: int = 1) -> list[tuple[int, int]]:
+    """Split [0, n) into at most `tiles` contiguous non-empty ranges whose starts are multiples of
+    `align` and whose sizes differ by at most `align`."""
+    if tiles < 1:
+        raise GraphError(f"tiles must be >= 1, got {tiles}")
+    units = -(-n // align)
+    tiles = min(tiles, units)
+    out, lo_unit = [], 0
+    for i in range(tiles):
+        hi_unit = lo_unit + units // tiles + (1 if i < units % tiles else 0)
+        out.append((lo_unit * align, min(hi_unit * align, n)))
+        lo_unit = hi_unit
+    return out
+
+
+def require(cond: bool, task: str, message: str) -> None:
+    """Refuse a shape or argument a task body cannot handle, at graph-build time."""
+    if not cond:
+        raise GraphError(f"{task}: {message}")
