@@ -1,37 +1,56 @@
 // The persistent worker: CTA w walks its queue of task descriptors. For each instance, thread 0
 // waits on the instance's events (acquire), the whole CTA runs the body, then thread 0 counts the
 // instance's events up (release). Included after the generated megart_dispatch/megart_prefetch.
+//
+// Descriptors rotate through three shared-memory slots: while instance i runs, instance i+1 is
+// already staged (its weights were handed to the L2 prefetcher before i's wait) and instance i+2's
+// descriptor is in flight from global memory, so no body and no wait starts on a global load.
 #pragma once
 namespace megart {
 
 __device__ __forceinline__ void signal_all(const TaskDesc& d, unsigned* events) {
-  __threadfence();
+  // red.release at gpu scope after the CTA barrier publishes every thread's writes (CUTLASS's pattern)
   for (int k = 0; k < d.hdr[kHdr_n_signal]; ++k) signal_event(events, d.hdr[kHdr_signal_event + k]);
+}
+
+__device__ __forceinline__ void stage_words(TaskDesc& dst, const TaskDesc& src) {
+  for (int k = threadIdx.x; k < kDescWords; k += blockDim.x)
+    reinterpret_cast<unsigned long long*>(&dst)[k] = reinterpret_cast<const unsigned long long*>(&src)[k];
 }
 
 __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
                                        unsigned* events, long long* ctrl, long long* spans, long long watchdog_ns,
                                        char* smem) {
+  static_assert(kDescWords <= MEGART_THREADS, "one thread stages one descriptor word");
   __shared__ long long s_gen;
   __shared__ int s_go;
+  __shared__ TaskDesc s_desc[3];
   const int w = blockIdx.x;
+  const int q0 = queue_start[w], q1 = queue_start[w + 1];
   if (threadIdx.x == 0) s_gen = ld_relaxed(ctrl + kCtrl_step) + 1;
+  if (q0 < q1) stage_words(s_desc[0], descs[q0]);
+  if (q0 + 1 < q1) stage_words(s_desc[1], descs[q0 + 1]);
   __syncthreads();
   const long long gen = s_gen;
-  const int q0 = queue_start[w], q1 = queue_start[w + 1];
 #ifdef MEGART_PROFILE
   const SpanSink sink = span_sink(spans, ctrl, gen, queue_start[gridDim.x], q0, q1);
 #endif
-  for (int i = q0; i < q0 + MEGART_LOOKAHEAD && i < q1; ++i) megart_prefetch(descs[i]);
+  if (q0 < q1) megart_prefetch(s_desc[0]);
   bool ok = true;
+  int cur = 0;
   for (int i = q0; i < q1; ++i) {
-    const TaskDesc& d = descs[i];
-    if (i + MEGART_LOOKAHEAD < q1) megart_prefetch(descs[i + MEGART_LOOKAHEAD]);
+    const int nxt = cur == 2 ? 0 : cur + 1, nxt2 = nxt == 2 ? 0 : nxt + 1;
+    const TaskDesc& d = s_desc[cur];
+    unsigned long long ahead = 0;  // this thread's word of descriptor i+2, landing while the body runs
+    if (threadIdx.x < kDescWords && i + 2 < q1)
+      ahead = reinterpret_cast<const unsigned long long*>(descs + i + 2)[threadIdx.x];
+    if (i + 1 < q1) megart_prefetch(s_desc[nxt]);
     unsigned long long t_wait = 0, t_begin = 0;
     if (threadIdx.x == 0) {
+#ifdef MEGART_PROFILE
       t_wait = globaltimer();
-      const int flags = d.hdr[kHdr_flags];
-      if (flags & kFlagSignalFirst) signal_all(d, events);
+#endif
+      if (d.hdr[kHdr_flags] & kFlagSignalFirst) signal_all(d, events);
       const WaitSite site{w, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance]};
       int go = 1;
       for (int k = 0; k < d.hdr[kHdr_n_wait] && go; ++k) {
@@ -45,15 +64,24 @@ __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const
       ok = false;
       break;
     }
+#ifdef MEGART_PROFILE
     if (threadIdx.x == 0) t_begin = globaltimer();
+#endif
     megart_dispatch(d, smem);
+    if (threadIdx.x < kDescWords && i + 2 < q1) reinterpret_cast<unsigned long long*>(&s_desc[nxt2])[threadIdx.x] = ahead;
     __syncthreads();
     if (threadIdx.x == 0) {
+#ifdef MEGART_PROFILE
+      const unsigned long long t_end = globaltimer();
+#endif
       if (!(d.hdr[kHdr_flags] & kFlagSignalFirst)) signal_all(d, events);
 #ifdef MEGART_PROFILE
-      span_record(sink, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance], w, t_wait, t_begin, globaltimer(), gen);
+      span_record(sink, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance], w, t_wait, t_begin, t_end, gen);
 #endif
     }
+    (void)t_wait;
+    (void)t_begin;
+    cur = nxt;
   }
   // The last worker to finish publishes the step, so the next launch runs step + 1 with no host upload.
   if (threadIdx.x == 0 && ok) {

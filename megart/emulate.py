@@ -16,7 +16,7 @@ def emulate(s: Schedule, steps: int = 1, seed: int = 0, host: dict | None = None
     if host is None:
         host = {name: t.data.detach().to("cpu", copy=True) for name, t in s.graph.tensors.items()}
     rng = random.Random(seed)
-    insts = s.graph.instances
+    insts = s.instances
 
     def execute(uid):
         inst = insts[uid]

@@ -27,7 +27,7 @@ def pack_descriptors(s: Schedule) -> tuple[np.ndarray, np.ndarray]:
     for w, q in enumerate(s.queues):
         starts[w] = row
         for pos, uid in enumerate(q):
-            inst = s.graph.instances[uid]
+            inst = s.instances[uid]
             h = hdr[row]
             h[off["type"]] = inst.type.id
             h[off["instance"]] = uid

@@ -23,19 +23,9 @@ from typing import Mapping, Sequence, Union
 
 import numpy as np
 
-#: Column layout of one span record.  This tuple is the single host-side
-#: source of truth; everything else derives indices from it.
-SPAN_FIELDS: tuple[str, ...] = (
-    "type_id",
-    "instance",
-    "worker",
-    "smid",
-    "wait_start",
-    "body_begin",
-    "body_end",
-    "step",
-)
-SPAN_WORDS: int = len(SPAN_FIELDS)
+# The record layout is declared once, in megart.layout (the device header is generated from it).
+from .layout import SPAN_FIELDS, SPAN_WORDS  # noqa: E402
+
 SPAN_COL: dict[str, int] = {name: i for i, name in enumerate(SPAN_FIELDS)}
 
 TYPE_ID = SPAN_COL["type_id"]

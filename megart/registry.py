@@ -18,6 +18,8 @@ SCALAR_KINDS = {"i32": "int", "f32": "float", "i64": "long long"}
 # "in": read, but possibly written by another task of the same launch, so plain coherent loads.
 ACCESS = ("in", "weight", "out", "inout")
 BARRIER_ID = 1          # the runtime's own grid-barrier arrival; has no body
+JOIN_ID = 6             # a wait-only queue entry the scheduler adds when an instance has too many waits
+NO_BODY = (BARRIER_ID, JOIN_ID)
 USER_ID_BASE = 1000     # ids below are megart's own; user task types take ids from here up
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -128,7 +130,7 @@ def _validate(t: TaskType, builtin: bool) -> None:
             raise RegistryError(f"task {t.name!r} parameter {p.name!r}: kind must be ptr or one of {sorted(SCALAR_KINDS)}")
     if not callable(t.reference):
         raise RegistryError(f"task {t.name!r}: a CPU reference for one instance is required")
-    if t.id != BARRIER_ID and not builtin and not Path(t.source).is_file():
+    if not builtin and not Path(t.source).is_file():
         raise RegistryError(f"task {t.name!r}: device source {t.source!r} not found")
 
 

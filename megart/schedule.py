@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from . import registry
 from .errors import GraphError
-from .graph import Graph
+from .graph import Graph, Instance
 from .layout import FLAG_SIGNAL_FIRST, MAX_SIGNALS, MAX_WAITS
 
 FINE_GRAINED_LIMIT = 2  # wait on at most this many single-instance events per producer call
@@ -30,6 +31,7 @@ class EventInfo:
 class Schedule:
     nw: int
     graph: Graph
+    instances: list                 # uid -> Instance: the graph's, then runtime-added join entries
     queues: list                    # worker -> [uid, ...] in execution order
     waits: dict                     # uid -> [event id, ...]
     signals: dict                   # uid -> [event id, ...]
@@ -38,14 +40,14 @@ class Schedule:
     pos_of: dict = field(default_factory=dict)
 
     def flags(self, uid: int) -> int:
-        return FLAG_SIGNAL_FIRST if self.graph.instances[uid].is_barrier else 0
+        return FLAG_SIGNAL_FIRST if self.instances[uid].is_barrier else 0
 
     @property
     def total_instances(self) -> int:
         return sum(len(q) for q in self.queues)
 
     def describe(self, uid: int) -> str:
-        inst = self.graph.instances[uid]
+        inst = self.instances[uid]
         return (f"{inst.label()} (call {self.graph.groups[inst.group].label!r}, worker {self.worker_of[uid]}, "
                 f"queue position {self.pos_of[uid]})")
 
@@ -71,7 +73,8 @@ def build(graph: Graph) -> Schedule:
         raise GraphError("the graph has no tasks")
     queues, worker_of = place(graph)
     pos_of = {uid: i for q in queues for i, uid in enumerate(q)}
-    insts = graph.instances
+    insts = list(graph.instances)          # plus the join entries added below
+    join_type = registry.get(registry.JOIN_ID)
     group_size = {g.index: len(g.uids) for g in graph.groups}
 
     events: list[EventInfo] = []
@@ -103,10 +106,6 @@ def build(graph: Graph) -> Schedule:
         n_user = len(set(inst.waits))
         if len(plan) + n_user > MAX_WAITS:      # coarsen to whole calls before giving up
             plan = sorted({("group", k[1] if k[0] == "group" else insts[k[1]].group) for k in plan})
-        if len(plan) + n_user > MAX_WAITS:
-            raise GraphError(
-                f"{inst.label()} depends on {len(plan)} earlier calls plus {n_user} events; one instance can "
-                f"wait on at most {MAX_WAITS}. Insert a barrier() or an explicit event to join them.")
         plans[inst.uid] = plan
         for kind, key in plan:
             (want_group if kind == "group" else want_inst).add(key)
@@ -117,7 +116,7 @@ def build(graph: Graph) -> Schedule:
         for e in set(inst.signals):
             user_count[e.index] += 1
 
-    for inst in insts:
+    for inst in graph.instances:
         wl = []
         if inst.is_barrier:
             b = ev(("barrier", inst.group), graph.groups[inst.group].label, graph.nw)
@@ -130,11 +129,24 @@ def build(graph: Graph) -> Schedule:
                     wl.append(ev(("inst", key), insts[key].label(), 1))
             for e in dict.fromkeys(inst.waits):
                 wl.append(ev(("user", e.index), e.name, user_count[e.index]))
+        # More waits than a descriptor holds: wait-only "join" entries go just before the instance on
+        # its own queue; queue order then carries their waits to it.
+        while len(wl) > MAX_WAITS:
+            join = Instance(len(insts), inst.group, join_type, {}, inst.epoch, worker=worker_of[inst.uid])
+            insts.append(join)
+            waits[join.uid], wl = wl[:MAX_WAITS], wl[MAX_WAITS:]
+            worker_of[join.uid] = join.worker
+            q = queues[join.worker]
+            q.insert(q.index(inst.uid), join.uid)
         waits[inst.uid] = wl
 
+    pos_of = {uid: i for q in queues for i, uid in enumerate(q)}
     signals = {}
     for inst in insts:
         sl = []
+        if inst.type.id == registry.JOIN_ID:
+            signals[inst.uid] = sl
+            continue
         if inst.is_barrier:
             sl.append(event_id[("barrier", inst.group)])
         if inst.group in want_group:
@@ -147,4 +159,4 @@ def build(graph: Graph) -> Schedule:
             raise GraphError(f"{inst.label()} must signal {len(sl)} events; an instance signals at most "
                              f"{MAX_SIGNALS}. Use fewer explicit signals on this call.")
         signals[inst.uid] = sl
-    return Schedule(graph.nw, graph, queues, waits, signals, events, worker_of, pos_of)
+    return Schedule(graph.nw, graph, insts, queues, waits, signals, events, worker_of, pos_of)

@@ -57,7 +57,7 @@ def simulate(s: Schedule, execute=None, rng: random.Random | None = None, step: 
         if head[w] < len(s.queues[w]):
             uid = s.queues[w][head[w]]
             e = next(e for e in s.waits[uid] if have[e] < need[e])
-            stuck.append(dict(worker=w, position=head[w], task=s.graph.instances[uid].type.name, instance=uid,
+            stuck.append(dict(worker=w, position=head[w], task=s.instances[uid].type.name, instance=uid,
                               event=e, event_name=s.events[e].name, have=have[e], need=need[e]))
     if stuck:
         lines = [f"  worker {d['worker']} position {d['position']}: {d['task']}#{d['instance']} waits on event "
@@ -70,4 +70,11 @@ def simulate(s: Schedule, execute=None, rng: random.Random | None = None, step: 
 
 def verify(s: Schedule) -> None:
     """Prove the schedule completes; raise ScheduleError otherwise."""
+    for uid, evs in s.waits.items():
+        for e in evs:
+            if s.events[e].count == 0:
+                raise ScheduleError(
+                    f"{s.describe(uid)} waits on event {e} {s.events[e].name!r}, which no task signals",
+                    stuck=[dict(worker=s.worker_of[uid], position=s.pos_of[uid], task=s.instances[uid].type.name,
+                                instance=uid, event=e, event_name=s.events[e].name, have=0, need=0)])
     simulate(s)

@@ -2,7 +2,7 @@
 They are what the runtime tests, the dispatch benchmark and the self-check are built from."""
 from __future__ import annotations
 
-from ..registry import BARRIER_ID, Cost, TaskType, ptr, register, scalar
+from ..registry import BARRIER_ID, JOIN_ID, Cost, TaskType, ptr, register, scalar
 from ..tensors import as_ref
 from .tiling import even_tiles, require
 
@@ -18,6 +18,10 @@ def _count_split(nw, tiles=1, **kw):
 register(TaskType(name="barrier", id=BARRIER_ID, params=(), source="", reference=_no_ref,
                   doc="Grid-barrier arrival: signals the barrier event, then waits for all workers."),
          builtin=True)
+
+register(TaskType(name="join", id=JOIN_ID, params=(), source="", reference=_no_ref,
+                  doc="Wait-only entry added by the scheduler in front of an instance with more waits "
+                      "than one descriptor holds."), builtin=True)
 
 register(TaskType(name="noop", id=2, params=(), source="tasks/noop.cuh", reference=_no_ref,
                   split=lambda nw, tiles=1: [{} for _ in range(tiles)],

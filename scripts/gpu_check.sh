@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One call on the H200: GPU tests (a skip is a failure) then the benchmarks; a short table last.
+# Usage: scripts/gpu_check.sh [pytest args...]   (OUT=dir for logs and results; default ./out)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MEGART_REQUIRE_GPU=1
+export MEGART_CACHE_DIR=${MEGART_CACHE_DIR:-/tmp/megart-cache}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader || true
+python3 -m pytest -q -x -p no:cacheprovider "${@:-tests/gpu}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+echo "GPU tests exit: ${PIPESTATUS[0]}"
+if [ -z "${SKIP_BENCH:-}" ]; then
+  python3 bench/runtime_bench.py --json "$OUT/runtime.json" 2>&1 | tee "$OUT/runtime_bench.log"
+fi

@@ -1,0 +1,43 @@
+"""Shared test setup: the `gpu` marker (skipped without a CUDA device; with MEGART_REQUIRE_GPU=1 a
+skip is a failure, so a GPU run cannot pass by skipping) and a private compile cache per session."""
+import os
+
+import pytest
+import torch
+
+REQUIRE_GPU = os.environ.get("MEGART_REQUIRE_GPU", "") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if REQUIRE_GPU and rep.skipped and "gpu" in item.keywords:
+        rep.outcome = "failed"
+        rep.longrepr = f"MEGART_REQUIRE_GPU=1 but the GPU test was skipped: {rep.longrepr}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_cache(tmp_path_factory):
+    if "MEGART_CACHE_DIR" not in os.environ:
+        os.environ["MEGART_CACHE_DIR"] = str(tmp_path_factory.mktemp("megart-cache"))
+    yield
+
+
+@pytest.fixture
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device("cuda")

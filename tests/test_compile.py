@@ -1,0 +1,86 @@
+"""Codegen + NVRTC (sm_90a, no GPU needed): every built-in task compiles with no spills; the cache
+hits, misses and recovers from corrupt entries; compile errors are mapped back to task sources."""
+import json
+
+import pytest
+
+import megart
+from megart import codegen, registry
+from megart.compile import CompileError, compile_source, parse_ptxas
+
+
+@pytest.mark.parametrize("profile", [False, True])
+@pytest.mark.parametrize("threads", [128, 256, 512])
+def test_all_builtin_tasks_compile_without_spills(profile, threads):
+    src = codegen.generate(registry.all_types(), codegen.KernelConfig(threads=threads, profile=profile))
+    out = compile_source(src, "sm_90a")
+    assert out.cubin[:4] == b"\x7fELF"
+    assert out.report.registers > 0
+    assert out.report.spill_bytes == 0, out.log
+
+
+def test_generated_source_has_one_struct_and_case_per_task():
+    types = registry.all_types()
+    src = codegen.generate(types, codegen.KernelConfig()).text
+    for t in types:
+        if t.id in registry.NO_BODY:
+            continue
+        assert src.count(f"struct {t.struct_name} ") == 1
+        assert f"case {t.id}: {t.body_name}(" in src
+
+
+def test_cache_hit_miss_and_corrupt_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGART_CACHE_DIR", str(tmp_path))
+    src = codegen.generate([registry.get("noop")], codegen.KernelConfig(threads=64))
+    first = compile_source(src, "sm_90a")
+    assert not first.cache_hit and first.path.exists()
+    meta = json.loads(first.path.with_suffix(".json").read_text())
+    assert meta["report"]["registers"] == first.report.registers
+    second = compile_source(src, "sm_90a")
+    assert second.cache_hit and second.cubin == first.cubin and second.report == first.report
+    first.path.write_bytes(b"garbage")                   # corrupt cubin: a miss, then rewritten
+    third = compile_source(src, "sm_90a")
+    assert not third.cache_hit and third.cubin == first.cubin
+    first.path.with_suffix(".json").write_text("{not json")
+    assert not compile_source(src, "sm_90a").cache_hit
+    assert compile_source(src, "sm_90a").cache_hit
+    other = codegen.generate([registry.get("noop")], codegen.KernelConfig(threads=128))
+    assert not compile_source(other, "sm_90a").cache_hit  # different source, different key
+
+
+def test_cache_can_be_disabled(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGART_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MEGART_DISABLE_CACHE", "1")
+    src = codegen.generate([registry.get("noop")], codegen.KernelConfig(threads=96))
+    compile_source(src, "sm_90a")
+    assert not compile_source(src, "sm_90a").cache_hit
+    assert not list(tmp_path.iterdir())
+
+
+def test_compile_error_names_the_task_source(tmp_path):
+    bad = tmp_path / "broken.cuh"
+    bad.write_text("// a candidate body\n__device__ __forceinline__ void megart_task_copy(const megart_params_copy& p, char*) {\n"
+                   "  p.dst[0] = undefined_symbol;\n}\n")
+    pk = megart.PersistentKernel(nw=2, device="cpu", source_overrides={"copy": str(bad)})
+    import torch
+    pk.task("copy", dst=pk.tensor(torch.zeros(4), "a"), src=pk.tensor(torch.ones(4), "b"))
+    with pytest.raises(CompileError) as ei:
+        pk.compile()
+    msg = str(ei.value)
+    assert "undefined_symbol" in msg and f"{bad}:3" in msg
+
+
+def test_bad_arch_is_refused():
+    src = codegen.generate([registry.get("noop")], codegen.KernelConfig())
+    with pytest.raises(CompileError, match="arch"):
+        compile_source(src, "hopper")
+
+
+def test_parse_ptxas_report():
+    log = ("ptxas info    : Compiling entry function 'megart_kernel' for 'sm_90a'\n"
+           "ptxas info    : Function properties for megart_kernel\n"
+           "    24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 77 registers, used 1 barriers, 592 bytes smem\n")
+    r = parse_ptxas(log, "megart_kernel")
+    assert (r.registers, r.stack_bytes, r.spill_stores, r.spill_loads, r.smem_bytes, r.barriers) == (77, 24, 8, 12, 592, 1)
+    assert r.spill_bytes == 20
