@@ -107,3 +107,20 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
           "  extern __shared__ __align__(16) char megart_smem[];\n"
           "  megart::worker(descs, queue_start, events, ctrl, spans, watchdog_ns, megart_smem);\n}\n")
     return w.source()
+
+
+def main(argv=None) -> int:
+    """Write the kernel source with every registered task type (for nvcc/SASS inspection, CMake)."""
+    import argparse
+    ap = argparse.ArgumentParser(description="dump megart's generated kernel source")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--threads", type=int, default=256)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    src = generate(registry.all_types(), KernelConfig(threads=args.threads, profile=args.profile))
+    Path(args.out).write_text(src.text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
