@@ -35,6 +35,11 @@ def time_ms(fn, iters: int = 20, warmup: int = 3) -> list[float]:
 
 def read_bandwidth(nbytes: int = 4 << 30, iters: int = 10, ctas: int | None = None) -> float:
     """Bytes per second of a pure read of `nbytes` of random data (never zeros)."""
+    return read_floor(nbytes, iters, ctas)["floor_bw"]
+
+
+def read_floor(nbytes: int = 4 << 30, iters: int = 10, ctas: int | None = None) -> dict:
+    """The floor with its spread and a description of the method, for results files."""
     import numpy as np
     import torch
     from cuda.core import Device, LaunchConfig, Program, ProgramOptions, Stream, launch
@@ -48,7 +53,10 @@ def read_bandwidth(nbytes: int = 4 << 30, iters: int = 10, ctas: int | None = No
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = LaunchConfig(grid=ctas or sms * 16, block=256)
     stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream)
-    ms = statistics.median(time_ms(lambda: launch(stream, cfg, kernel, buf.data_ptr(), np.uint64(n),
-                                                  sink.data_ptr()), iters))
+    times = time_ms(lambda: launch(stream, cfg, kernel, buf.data_ptr(), np.uint64(n), sink.data_ptr()), iters)
     del buf
-    return nbytes / (ms * 1e-3)
+    torch.cuda.empty_cache()
+    ms = statistics.median(times)
+    return {"floor_bw": nbytes / (ms * 1e-3), "floor_spread": (max(times) - min(times)) / ms,
+            "floor_method": f"16-byte vector loads over {nbytes / 2**30:g} GiB of random data, "
+                            f"{cfg.grid[0] if isinstance(cfg.grid, tuple) else cfg.grid} CTAs, median of {iters}"}

@@ -118,3 +118,42 @@ def test_cupy_arrays_are_accepted(cuda):
     pk.compile()
     pk()
     assert bool((y == x).all())
+
+
+def test_profile_overflow_and_trace_export(cuda, tmp_path):
+    from megart.trace import plot_timeline, to_chrome_trace
+    pk = megart.PersistentKernel(nw=16, profile=True, profile_steps=3)
+    y = pk.tensor(torch.zeros(4096, device="cuda"), "y")
+    pk.task("axpy", y=y, x=pk.tensor(torch.ones(4096, device="cuda"), "x"), a=1.0, tiles=32)
+    pk.task("spin", ns=3000, tiles=16)
+    pk.compile()
+    pk(steps=5)                                   # two steps past the 3-step window
+    prof = pk.profile()
+    assert prof.steps == [1, 2, 3]
+    assert prof.overflow == 2 * 48                # counted, not written
+    assert prof.by_task("axpy").instances_per_step == 32
+    trace = to_chrome_trace(prof, tmp_path / "t.json")
+    assert sum(e.get("ph") == "X" and not e["name"].startswith("wait:") for e in trace["traceEvents"]) == 3 * 48
+    png = plot_timeline(prof, tmp_path / "t.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pk.reset_profile(2)                           # a new window: the next two steps
+    pk(steps=2)
+    assert pk.profile().steps == [6, 7]
+
+
+def test_launch_inside_a_cuda_graph(cuda):
+    pk = megart.PersistentKernel(nw=132)
+    y = pk.tensor(torch.zeros(132 * 32, device="cuda"), "y")
+    pk.task("axpy", y=y, x=pk.tensor(torch.ones(132 * 32, device="cuda"), "x"), a=1.0, tiles=132)
+    pk.compile()
+    pk()                                          # warm up (module loaded) before capture
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            pk.launch()
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    assert pk.check() == 6                        # the step advances on the device, not baked into the graph
+    assert torch.all(y.data == 6.0)
