@@ -23,7 +23,12 @@ def emulate(s: Schedule, steps: int = 1, seed: int = 0, host: dict | None = None
         if not inst.is_barrier:
             inst.type.reference(s.graph.host_views(inst, host))
 
-    with torch.no_grad():
-        for _ in range(steps):
-            simulate(s, execute, rng)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # thousands of tiny ops: intra-op threading only adds overhead
+    try:
+        with torch.no_grad():
+            for _ in range(steps):
+                simulate(s, execute, rng)
+    finally:
+        torch.set_num_threads(threads)
     return host

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 # --- task descriptor: a fixed-size record per task instance --------------------------------------
 MAX_WAITS = 4          # events one instance may wait on
-MAX_SIGNALS = 2        # events one instance may signal
+MAX_SIGNALS = 4        # events one instance may signal
 PARAM_WORDS = 16       # 8-byte parameter slots per instance
 
 # int32 header fields, in order; wait_event[i]/wait_count[i]/signal_event[i] are arrays.
@@ -23,8 +23,8 @@ HEADER_FIELDS = (
     ("signal_event", MAX_SIGNALS),
 )
 HEADER_INTS = sum(n for _, n in HEADER_FIELDS)
-assert HEADER_INTS <= 16
-HEADER_INTS = 16                      # padded so params start 8-byte aligned at byte 64
+assert HEADER_INTS <= 20
+HEADER_INTS = 20                      # padded so params start 16-byte aligned at byte 80
 DESC_WORDS = HEADER_INTS // 2 + PARAM_WORDS   # descriptor size in 8-byte words
 DESC_BYTES = DESC_WORDS * 8
 

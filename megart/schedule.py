@@ -4,8 +4,8 @@ Policy (documented in docs/ARCHITECTURE.md): instances keep program order. A pin
 to its worker; the rest are dealt round robin from a cursor that runs on across calls, so small
 calls spread over the grid instead of piling onto worker 0. Grid barriers put one arrival on every
 queue. Each dependency becomes a wait on an event counter: a whole producer call is one event
-(count = its instances); a consumer that needs only a few instances of a call waits on those
-instances' own events instead, so it can start before the rest of the call lands. A dependency on
+(count = its instances); a consumer that needs only some instances of a call waits on an event
+signalled by exactly those instances, so it can start before the rest of the call lands. A dependency on
 an earlier instance of the same queue needs no wait at all.
 """
 from __future__ import annotations
@@ -18,7 +18,6 @@ from .errors import GraphError
 from .graph import Graph, Instance
 from .layout import FLAG_SIGNAL_FIRST, MAX_SIGNALS, MAX_WAITS
 
-FINE_GRAINED_LIMIT = 2  # wait on at most this many single-instance events per producer call
 
 
 @dataclass
@@ -68,14 +67,56 @@ def place(graph: Graph) -> tuple[list, dict]:
     return queues, worker_of
 
 
+def _plan_waits(graph: Graph, worker_of: dict, pos_of: dict) -> dict:
+    """uid -> list of ("group", g) | ("subset", g, frozenset(uids)) wait keys. A subset event is
+    signalled by exactly the producer instances a consumer needs; where that would make a producer
+    signal more events than its descriptor holds, the consumers fall back to the whole call's event."""
+    insts = graph.instances
+    group_size = {g.index: len(g.uids) for g in graph.groups}
+    plans = {}
+    for inst in insts:
+        if inst.is_barrier:
+            continue
+        w = worker_of[inst.uid]
+        by_group = defaultdict(set)
+        for d in inst.deps:
+            if not (worker_of[d] == w and pos_of[d] < pos_of[inst.uid]):   # queue order already covers it
+                by_group[insts[d].group].add(d)
+        plan = [("group", g) if len(m) == group_size[g] else ("subset", g, frozenset(m))
+                for g, m in sorted(by_group.items())]
+        if len(plan) + len(set(inst.waits)) > MAX_WAITS:   # fewer, coarser waits before adding joins
+            plan = [("group", g) for g in sorted(by_group)]
+        plans[inst.uid] = plan
+    while True:
+        signals = defaultdict(set)
+        for plan in plans.values():
+            for key in plan:
+                if key[0] == "group":
+                    for u in graph.groups[key[1]].uids:
+                        signals[u].add(key)
+                else:
+                    for u in key[2]:
+                        signals[u].add(key)
+        demote = set()
+        for u, keys in signals.items():
+            extra = len(keys) + len(set(insts[u].signals)) - MAX_SIGNALS
+            if extra > 0:
+                demote.update(sorted((k for k in keys if k[0] == "subset"), key=lambda k: len(k[2]))[:extra + 1])
+        if not demote:
+            break
+        for uid, plan in plans.items():
+            plans[uid] = sorted(set(("group", k[1]) if k in demote else k for k in plan), key=str)
+    return plans
+
+
 def build(graph: Graph) -> Schedule:
     if not graph.instances:
         raise GraphError("the graph has no tasks")
     queues, worker_of = place(graph)
     pos_of = {uid: i for q in queues for i, uid in enumerate(q)}
+    plans = _plan_waits(graph, worker_of, pos_of)
     insts = list(graph.instances)          # plus the join entries added below
     join_type = registry.get(registry.JOIN_ID)
-    group_size = {g.index: len(g.uids) for g in graph.groups}
 
     events: list[EventInfo] = []
     event_id: dict = {}
@@ -86,47 +127,33 @@ def build(graph: Graph) -> Schedule:
             events.append(EventInfo(name, count))
         return event_id[key]
 
-    waits: dict = {}
-    want_group, want_inst = set(), set()
-    plans = {}
-    for inst in insts:
-        if inst.is_barrier:
-            continue
-        w = worker_of[inst.uid]
-        needed = [d for d in inst.deps if not (worker_of[d] == w and pos_of[d] < pos_of[inst.uid])]
-        by_group = defaultdict(list)
-        for d in needed:
-            by_group[insts[d].group].append(d)
-        plan = []
-        for gi, members in sorted(by_group.items()):
-            if len(members) == group_size[gi] or len(members) > FINE_GRAINED_LIMIT:
-                plan.append(("group", gi))
-            else:
-                plan.extend(("inst", d) for d in sorted(members))
-        n_user = len(set(inst.waits))
-        if len(plan) + n_user > MAX_WAITS:      # coarsen to whole calls before giving up
-            plan = sorted({("group", k[1] if k[0] == "group" else insts[k[1]].group) for k in plan})
-        plans[inst.uid] = plan
-        for kind, key in plan:
-            (want_group if kind == "group" else want_inst).add(key)
+    def plan_event(key) -> int:
+        g = graph.groups[key[1]]
+        if key[0] == "group":
+            return ev(key, g.label, len(g.uids))
+        members = sorted(key[2])
+        name = insts[members[0]].label() if len(members) == 1 else f"{g.label}[{len(members)} of {len(g.uids)}]"
+        return ev(key, name, len(members))
 
-    # user events: count = number of signalling instances
-    user_count = defaultdict(int)
+    user_count = defaultdict(int)          # user events: count = number of signalling instances
     for inst in insts:
         for e in set(inst.signals):
             user_count[e.index] += 1
 
+    waits, signals = {}, defaultdict(list)
     for inst in graph.instances:
-        wl = []
         if inst.is_barrier:
-            b = ev(("barrier", inst.group), graph.groups[inst.group].label, graph.nw)
-            wl.append(b)
+            wl = [ev(("barrier", inst.group), graph.groups[inst.group].label, graph.nw)]
+            signals[inst.uid].append(wl[0])
         else:
-            for kind, key in plans[inst.uid]:
-                if kind == "group":
-                    wl.append(ev(("group", key), graph.groups[key].label, group_size[key]))
-                else:
-                    wl.append(ev(("inst", key), insts[key].label(), 1))
+            wl = []
+            for key in plans[inst.uid]:
+                e = plan_event(key)
+                wl.append(e)
+                producers = graph.groups[key[1]].uids if key[0] == "group" else key[2]
+                for u in producers:
+                    if e not in signals[u]:
+                        signals[u].append(e)
             for e in dict.fromkeys(inst.waits):
                 wl.append(ev(("user", e.index), e.name, user_count[e.index]))
         # More waits than a descriptor holds: wait-only "join" entries go just before the instance on
@@ -139,24 +166,12 @@ def build(graph: Graph) -> Schedule:
             q = queues[join.worker]
             q.insert(q.index(inst.uid), join.uid)
         waits[inst.uid] = wl
-
-    pos_of = {uid: i for q in queues for i, uid in enumerate(q)}
-    signals = {}
-    for inst in insts:
-        sl = []
-        if inst.type.id == registry.JOIN_ID:
-            signals[inst.uid] = sl
-            continue
-        if inst.is_barrier:
-            sl.append(event_id[("barrier", inst.group)])
-        if inst.group in want_group:
-            sl.append(event_id[("group", inst.group)])
-        if inst.uid in want_inst:
-            sl.append(event_id[("inst", inst.uid)])
+    for inst in graph.instances:
         for e in dict.fromkeys(inst.signals):
-            sl.append(ev(("user", e.index), e.name, user_count[e.index]))
-        if len(sl) > MAX_SIGNALS:
-            raise GraphError(f"{inst.label()} must signal {len(sl)} events; an instance signals at most "
-                             f"{MAX_SIGNALS}. Use fewer explicit signals on this call.")
-        signals[inst.uid] = sl
+            signals[inst.uid].append(ev(("user", e.index), e.name, user_count[e.index]))
+        if len(signals[inst.uid]) > MAX_SIGNALS:
+            raise GraphError(f"{inst.label()} must signal {len(signals[inst.uid])} events; an instance signals at "
+                             f"most {MAX_SIGNALS}. Use fewer explicit signals on this call.")
+    pos_of = {uid: i for q in queues for i, uid in enumerate(q)}
+    signals = {inst.uid: signals.get(inst.uid, []) for inst in insts}
     return Schedule(graph.nw, graph, insts, queues, waits, signals, events, worker_of, pos_of)

@@ -3,3 +3,4 @@ Id ranges: 1-15 runtime and synthetic, 16-63 dense decode tasks, 64-95 attention
 from . import synthetic  # noqa: F401
 from . import dense  # noqa: F401
 from . import attention  # noqa: F401
+from . import control  # noqa: F401

@@ -1,0 +1,87 @@
+"""Shared pieces of the dense decode task declarations (ids 16-63): argument checks, the flag bits
+the device bodies test, dummy pointers for absent optional operands, and the CPU mirror of the
+device's x staging (RMSNorm prologue with bf16 rounding)."""
+from __future__ import annotations
+
+import torch
+
+from ..tensors import TensorRef, as_ref
+from .tiling import require
+
+SOURCE = "tasks/dense.cuh"     # one include-guarded file holds every dense body (see its header)
+
+# flag bits, mirrored by megart::dense::kFlag* in tasks/dense.cuh
+FLAG_RESIDUAL = 1
+FLAG_NORM = 2
+FLAG_LOGITS = 4
+
+SCRATCH_BYTES = 256            # block reductions; x is staged right after it
+MAX_K = 16384                  # longest x a GEMV-type body stages in shared memory (bf16)
+STAGE_SMEM = SCRATCH_BYTES + 2 * MAX_K   # 33,024 B: under the 48 KiB default dynamic limit
+ALIGN_BYTES = 16               # every vector-loaded operand starts on a 16-byte boundary
+
+
+def ref(task: str, value, name: str) -> TensorRef:
+    require(value is not None, task, f"argument {name!r} is required")
+    return as_ref(value, name)
+
+
+def opt_ref(value, name: str) -> TensorRef | None:
+    return None if value is None else as_ref(value, name)
+
+
+def aligned(task: str, r: TensorRef, name: str) -> None:
+    require(r.address % ALIGN_BYTES == 0, task,
+            f"{name} ({r.tensor.name!r} at element {r.offset}) must start on a {ALIGN_BYTES}-byte boundary "
+            "for 16-byte vector loads")
+
+
+def check_k(task: str, k: int, multiple: int = 8) -> None:
+    require(k % multiple == 0, task,
+            f"the reduction length k={k} must be a multiple of {multiple} (16-byte weight rows)")
+    require(0 < k <= MAX_K, task, f"k={k} is outside (0, {MAX_K}]: x is staged whole in shared memory")
+
+
+def overlaps(a: TensorRef, b: TensorRef) -> bool:
+    (alo, ahi), (blo, bhi) = a.byte_range, b.byte_range
+    return alo < bhi and blo < ahi
+
+
+def disjoint(task: str, a: TensorRef, an: str, b: TensorRef, bn: str) -> None:
+    require(not overlaps(a, b), task,
+            f"{an} and {bn} overlap: every instance reads all of {bn} while others write their slice of {an}")
+
+
+def dummy(r: TensorRef) -> TensorRef:
+    """A stand-in pointer for an absent optional operand: the first element of a range the instance
+    already reads (or writes), so it adds no dependency. The body never dereferences it."""
+    return r.tensor.ref(r.offset, 1)
+
+
+def sub(r: TensorRef, lo: int, count: int) -> TensorRef:
+    return r.tensor.ref(r.offset + lo, count)
+
+
+def shape_of(task: str, value, name: str) -> tuple:
+    """The shape of a whole megart Tensor (a TensorRef counts only when it covers its whole tensor)."""
+    r = as_ref(value, name)
+    require(r.offset == 0 and r.count == r.tensor.numel, task,
+            f"{name} must be a whole tensor (its shape is needed), not a slice")
+    return r.tensor.shape
+
+
+def stage_x(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """fp32 copy of what the device stages in shared memory: x, or bf16(x * rsqrt(mean(x^2)+eps) * g)."""
+    xf = x.float()
+    if norm_weight is None:
+        return xf
+    rstd = torch.rsqrt((xf * xf).sum() / xf.numel() + torch.tensor(eps, dtype=torch.float32))
+    return (xf * rstd * norm_weight.float()).to(torch.bfloat16).float()
+
+
+def silu(g: torch.Tensor) -> torch.Tensor:
+    return g / (1.0 + torch.exp(-g))
+
+
+def nbytes(r: TensorRef | None) -> int:
+    return 0 if r is None else r.count * r.tensor.itemsize

@@ -1,0 +1,289 @@
+"""Weight-streaming dense decode tasks (M = 1): gemv_m1, gemv_m1_fp8, group_gemm_m1, gate_up_silu,
+lm_head_argmax, and argmax_reduce that finishes the LM head. Device bodies: tasks/dense.cuh.
+
+Each instance owns a contiguous block of output rows and streams exactly those weight rows; every
+instance stages the whole x (optionally RMS-normalised, which each CTA recomputes, so no grid
+barrier sits between the norm and the GEMV) in shared memory. Optional operands are encoded as a
+`flags` bit plus a pointer that, when absent, points at one element the instance already touches."""
+from __future__ import annotations
+
+import torch
+
+from ..registry import Cost, TaskType, ptr, register, scalar
+from .dense_common import (FLAG_LOGITS, FLAG_NORM, FLAG_RESIDUAL, SCRATCH_BYTES, SOURCE, STAGE_SMEM, aligned,
+                           check_k, disjoint, dummy, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub)
+from .tiling import even_tiles, require
+
+EXPERT_ROWS = 128   # group_gemm_m1: each expert's tile of `a` / `y` rows; row 0 of it is the live one
+
+
+def _norm(p):
+    return p.norm_weight if p.flags & FLAG_NORM else None
+
+
+def _common_x(task, x, norm_weight, k_mult=8):
+    x = ref(task, x, "x")
+    check_k(task, x.count, k_mult)
+    aligned(task, x, "x")
+    g = opt_ref(norm_weight, "norm_weight")
+    if g is not None:
+        require(g.count == x.count, task, f"norm_weight has {g.count} elements, x has {x.count}")
+        aligned(task, g, "norm_weight")
+    return x, g
+
+
+# ---- gemv_m1 -------------------------------------------------------------------------------------
+def _gemv_split(task, nw, tiles, y, w, x, residual, norm_weight, eps, scale=None, w_elem=2):
+    y, w = ref(task, y, "y"), ref(task, w, "w")
+    x, g = _common_x(task, x, norm_weight, 8 if w_elem == 2 else 16)
+    n, k = y.count, x.count
+    require(w.count == n * k, task, f"w has {w.count} elements; y[{n}] = W[{n},{k}] @ x[{k}] needs {n * k}")
+    aligned(task, w, "w")
+    disjoint(task, y, "y", x, "x")
+    res = opt_ref(residual, "residual")
+    if res is not None:
+        require(res.count == n, task, f"residual has {res.count} elements, y has {n}")
+        require(res.byte_range == y.byte_range or not overlaps(res, y), task,
+                "residual must be exactly y (in-place x += W a) or not overlap it")
+    sc = None
+    if scale is not None or w_elem == 1:
+        sc = ref(task, scale, "scale")
+        require(sc.count == n, task, f"scale has {sc.count} elements, y has {n} (one per output channel)")
+    flags = (FLAG_RESIDUAL if res is not None else 0) | (FLAG_NORM if g is not None else 0)
+    stub = dummy(x)
+    out = []
+    for lo, hi in even_tiles(n, tiles, align=2):     # whole row pairs: a warp streams two rows at once
+        inst = dict(y=sub(y, lo, hi - lo), w=sub(w, lo * k, (hi - lo) * k), x=x,
+                    residual=sub(res, lo, hi - lo) if res is not None else stub,
+                    norm_weight=g if g is not None else stub, n=hi - lo, k=k, flags=flags, eps=float(eps))
+        if sc is not None:
+            inst["scale"] = sub(sc, lo, hi - lo)
+        out.append(inst)
+    return out
+
+
+def _gemv_ref(p) -> None:
+    xs = stage_x(p.x, _norm(p), p.eps)
+    acc = p.w.view(p.n, p.k).float() @ xs
+    if p.flags & FLAG_RESIDUAL:
+        acc = acc + p.residual.float()
+    p.y.copy_(acc.to(torch.bfloat16))
+
+
+def _gemv_cost(y=None, w=None, x=None, residual=None, norm_weight=None, scale=None, **_):
+    y, w, x = ref("cost", y, "y"), ref("cost", w, "w"), ref("cost", x, "x")
+    b = nbytes(w) + nbytes(x) + nbytes(y) + nbytes(opt_ref(residual, "residual")) \
+        + nbytes(opt_ref(norm_weight, "norm_weight")) + nbytes(opt_ref(scale, "scale"))
+    return Cost(bytes=b, flops=2 * y.count * x.count)
+
+
+register(TaskType(
+    name="gemv_m1", id=16,
+    params=(ptr("y", "bf16", "out"), ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"),
+            ptr("residual", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
+            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
+    source=SOURCE, reference=_gemv_ref,
+    split=lambda nw, tiles=1, y=None, w=None, x=None, residual=None, norm_weight=None, eps=1e-5:
+        _gemv_split("gemv_m1", nw, tiles, y, w, x, residual, norm_weight, eps),
+    cost=_gemv_cost, smem_bytes=STAGE_SMEM, prefetch=True,
+    doc="y[N] = W[N,K] @ x (+ residual[N], may be y itself); with norm_weight, x is RMS-normalised first "
+        "(each CTA reduces x itself; the normalised x is rounded to bf16). bf16 in/out, fp32 accumulation. "
+        "Tiles over output rows."), builtin=True)
+
+
+# ---- gemv_m1_fp8 ---------------------------------------------------------------------------------
+def _gemv_fp8_ref(p) -> None:
+    xs = stage_x(p.x, _norm(p), p.eps)
+    acc = (p.w.view(p.n, p.k).float() @ xs) * p.scale
+    if p.flags & FLAG_RESIDUAL:
+        acc = acc + p.residual.float()
+    p.y.copy_(acc.to(torch.bfloat16))
+
+
+register(TaskType(
+    name="gemv_m1_fp8", id=24,
+    params=(ptr("y", "bf16", "out"), ptr("w", "fp8e4m3", "weight"), ptr("scale", "f32", "weight"),
+            ptr("x", "bf16", "in"), ptr("residual", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
+            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
+    source=SOURCE, reference=_gemv_fp8_ref,
+    split=lambda nw, tiles=1, y=None, w=None, scale=None, x=None, residual=None, norm_weight=None, eps=1e-5:
+        _gemv_split("gemv_m1_fp8", nw, tiles, y, w, x, residual, norm_weight, eps, scale=scale, w_elem=1),
+    cost=_gemv_cost, smem_bytes=STAGE_SMEM, prefetch=True,
+    doc="y[N] = scale[N] * (W8[N,K] @ x) (+ residual): pre-quantised e4m3 weights with per-output-channel "
+        "f32 scales; same options as gemv_m1. K must be a multiple of 16."), builtin=True)
+
+
+# ---- group_gemm_m1 -------------------------------------------------------------------------------
+def _group_split(nw, tiles=1, y=None, w=None, a=None, active=None):
+    task = "group_gemm_m1"
+    shape = shape_of(task, ref(task, w, "w"), "w")
+    require(len(shape) == 3, task, f"w must be [experts, N, K], got shape {shape}")
+    e, n, k = shape
+    w, y, a = ref(task, w, "w"), ref(task, y, "y"), ref(task, a, "a")
+    check_k(task, k)
+    require(a.count == e * EXPERT_ROWS * k, task, f"a has {a.count} elements, needs [{e}*{EXPERT_ROWS}, {k}]")
+    require(y.count == e * EXPERT_ROWS * n, task, f"y has {y.count} elements, needs [{e}*{EXPERT_ROWS}, {n}]")
+    for r, nm in ((w, "w"), (a, "a"), (y, "y")):
+        aligned(task, r, nm)
+    disjoint(task, y, "y", a, "a")
+    require(active is not None and len(active) > 0, task, "active must list at least one expert id")
+    act = [int(i) for i in active]
+    require(len(set(act)) == len(act), task, f"active lists an expert twice: {act}")
+    require(all(0 <= i < e for i in act), task, f"active expert ids must be in [0, {e}), got {act}")
+    require(tiles >= 1, task, f"tiles must be >= 1, got {tiles}")
+    out = []
+    for j, ex in enumerate(act):
+        t = max(1, tiles // len(act) + (1 if j < tiles % len(act) else 0))
+        row = ex * EXPERT_ROWS
+        for lo, hi in even_tiles(n, t, align=2):
+            out.append(dict(y=sub(y, row * n + lo, hi - lo), w=sub(w, (ex * n + lo) * k, (hi - lo) * k),
+                            a=sub(a, row * k, k), n=hi - lo, k=k))
+    return out
+
+
+def _group_ref(p) -> None:
+    p.y.copy_((p.w.view(p.n, p.k).float() @ p.a.float()).to(torch.bfloat16))
+
+
+def _group_cost(y=None, w=None, a=None, active=(), **_):
+    e, n, k = ref("cost", w, "w").tensor.shape
+    na = len(active)
+    return Cost(bytes=na * (n * k * 2 + k * 2 + n * 2), flops=2 * na * n * k)
+
+
+register(TaskType(
+    name="group_gemm_m1", id=23,
+    params=(ptr("y", "bf16", "out"), ptr("w", "bf16", "weight"), ptr("a", "bf16", "in"),
+            scalar("n"), scalar("k")),
+    source=SOURCE, reference=_group_ref, split=_group_split, cost=_group_cost,
+    smem_bytes=STAGE_SMEM, prefetch=True,
+    doc=f"Routed MoE expert GEMM in decode geometry: y[e*{EXPERT_ROWS}, :] = W[e] @ a[e*{EXPERT_ROWS}, :] for "
+        "each expert e in `active` (build-time list); only the live row is computed, only active experts' "
+        "weights are read. `tiles` instances in all, dealt evenly over the active experts (>= 1 each)."),
+    builtin=True)
+
+
+# ---- gate_up_silu --------------------------------------------------------------------------------
+def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_weight=None, eps=1e-5):
+    task = "gate_up_silu"
+    h, wg, wu = ref(task, h, "h"), ref(task, w_gate, "w_gate"), ref(task, w_up, "w_up")
+    x, g = _common_x(task, x, norm_weight)
+    f, k = h.count, x.count
+    for r, nm in ((wg, "w_gate"), (wu, "w_up")):
+        require(r.count == f * k, task, f"{nm} has {r.count} elements; h[{f}] needs [{f}, {k}] = {f * k}")
+        aligned(task, r, nm)
+    disjoint(task, h, "h", x, "x")
+    flags = FLAG_NORM if g is not None else 0
+    stub = dummy(x)
+    return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
+                 x=x, norm_weight=g if g is not None else stub, n=hi - lo, k=k, flags=flags, eps=float(eps))
+            for lo, hi in even_tiles(f, tiles)]
+
+
+def _gate_up_ref(p) -> None:
+    xs = stage_x(p.x, _norm(p), p.eps)
+    gate = p.w_gate.view(p.n, p.k).float() @ xs
+    up = p.w_up.view(p.n, p.k).float() @ xs
+    p.h.copy_((silu(gate) * up).to(torch.bfloat16))
+
+
+def _gate_up_cost(h=None, w_gate=None, w_up=None, x=None, norm_weight=None, **_):
+    h, x = ref("cost", h, "h"), ref("cost", x, "x")
+    b = nbytes(ref("cost", w_gate, "w_gate")) + nbytes(ref("cost", w_up, "w_up")) + nbytes(x) + nbytes(h) \
+        + nbytes(opt_ref(norm_weight, "norm_weight"))
+    return Cost(bytes=b, flops=4 * h.count * x.count)
+
+
+register(TaskType(
+    name="gate_up_silu", id=18,
+    params=(ptr("h", "bf16", "out"), ptr("w_gate", "bf16", "weight"), ptr("w_up", "bf16", "weight"),
+            ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
+            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
+    source=SOURCE, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
+    smem_bytes=STAGE_SMEM, prefetch=True,
+    doc="h[F] = silu(Wg[F,K] x) * (Wu[F,K] x), gate and up kept in fp32 registers (never stored); optional "
+        "RMSNorm prologue as gemv_m1. Tiles over F."), builtin=True)
+
+
+# ---- lm_head_argmax / argmax_reduce --------------------------------------------------------------
+def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=None, norm_weight=None, eps=1e-5):
+    task = "lm_head_argmax"
+    w = ref(task, w, "w")
+    x, g = _common_x(task, x, norm_weight)
+    k = x.count
+    require(w.count % k == 0, task, f"w has {w.count} elements, not a whole number of rows of {k}")
+    aligned(task, w, "w")
+    v = w.count // k
+    pv, pi = ref(task, part_val, "part_val"), ref(task, part_idx, "part_idx")
+    parts = even_tiles(v, tiles)
+    require(pv.count == len(parts) and pi.count == len(parts), task,
+            f"part_val/part_idx need one entry per instance: {len(parts)} (tiles={tiles} over {v} rows), "
+            f"got {pv.count} / {pi.count}")
+    lg = opt_ref(logits, "logits")
+    if lg is not None:
+        require(lg.count == v, task, f"logits has {lg.count} elements, the vocabulary is {v}")
+    flags = (FLAG_LOGITS if lg is not None else 0) | (FLAG_NORM if g is not None else 0)
+    out = []
+    for i, (lo, hi) in enumerate(parts):
+        val = sub(pv, i, 1)
+        out.append(dict(w=sub(w, lo * k, (hi - lo) * k), x=x, part_val=val, part_idx=sub(pi, i, 1),
+                        logits=sub(lg, lo, hi - lo) if lg is not None else val,
+                        norm_weight=g if g is not None else dummy(x),
+                        n=hi - lo, k=k, row0=lo, flags=flags, eps=float(eps)))
+    return out
+
+
+def _lm_ref(p) -> None:
+    xs = stage_x(p.x, _norm(p), p.eps)
+    logits = p.w.view(p.n, p.k).float() @ xs
+    if p.flags & FLAG_LOGITS:
+        p.logits.copy_(logits)
+    v = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    i = int(torch.argmax(v))
+    p.part_val[0] = v[i]
+    p.part_idx[0] = p.row0 + i
+
+
+def _lm_cost(w=None, x=None, part_val=None, part_idx=None, logits=None, norm_weight=None, **_):
+    w, x = ref("cost", w, "w"), ref("cost", x, "x")
+    b = nbytes(w) + nbytes(x) + nbytes(ref("cost", part_val, "part_val")) \
+        + nbytes(ref("cost", part_idx, "part_idx")) + nbytes(opt_ref(logits, "logits")) \
+        + nbytes(opt_ref(norm_weight, "norm_weight"))
+    return Cost(bytes=b, flops=2 * w.count)
+
+
+register(TaskType(
+    name="lm_head_argmax", id=21,
+    params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("part_val", "f32", "out"),
+            ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"), ptr("norm_weight", "bf16", "weight"),
+            scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),
+    source=SOURCE, reference=_lm_ref, split=_lm_split, cost=_lm_cost, smem_bytes=STAGE_SMEM, prefetch=True,
+    doc="LM head over vocab rows of W[V,d] (tied: the embedding table) with the final RMSNorm optionally "
+        "fused: each instance writes its max logit and its row (ties: lowest) to part_val[i]/part_idx[i], "
+        "and, if `logits` is given, the f32 logits of its rows. part_val/part_idx have one entry per "
+        "instance (= min(tiles, V))."), builtin=True)
+
+
+def _argmax_split(nw, tiles=1, token=None, part_val=None, part_idx=None):
+    task = "argmax_reduce"
+    t, pv, pi = ref(task, token, "token"), ref(task, part_val, "part_val"), ref(task, part_idx, "part_idx")
+    require(t.count == 1, task, f"token must be one element, got {t.count}")
+    require(pv.count == pi.count, task, f"part_val has {pv.count} entries, part_idx {pi.count}")
+    require(tiles == 1, task, "a single instance reduces all partials; pass tiles=1")
+    return [dict(token=t, part_val=pv, part_idx=pi, n=pv.count)]
+
+
+def _argmax_ref(p) -> None:
+    v = torch.nan_to_num(p.part_val, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    best = v.max()
+    p.token[0] = int(p.part_idx[v == best].min())
+
+
+register(TaskType(
+    name="argmax_reduce", id=22,
+    params=(ptr("token", "i32", "out"), ptr("part_val", "f32", "in"), ptr("part_idx", "i32", "in"), scalar("n")),
+    source=SOURCE, reference=_argmax_ref, split=_argmax_split,
+    cost=lambda token=None, part_val=None, **_: Cost(bytes=8 * ref("cost", part_val, "part_val").count + 4),
+    smem_bytes=SCRATCH_BYTES,
+    doc="token[0] = part_idx[j] of the largest part_val[j] (ties: the lowest index; NaN counts as -inf). "
+        "One instance."), builtin=True)

@@ -1,0 +1,460 @@
+// Dense decode task bodies (M = 1): gemv_m1, gemv_m1_fp8, gate_up_silu, group_gemm_m1,
+// lm_head_argmax, argmax_reduce, rmsnorm, silu_mul, embedding. Declared in megart/tasks/dense*.py.
+//
+// Every dense task type names this one file as its source. codegen pastes a type's source after
+// that type's params struct, once per type, so the file is include-guarded (only the first paste
+// counts) and each body is a template on its params struct: the generated dispatch switch calls
+// megart_task_<name>(const megart_params_<name>&, char*) and the template is instantiated there,
+// where every struct exists. A non-template body of the same name (a candidate passed through
+// source_overrides) wins overload resolution over the template.
+//
+// Conventions: bf16 activations, fp32 accumulation, one bf16 rounding per output (after the
+// epilogue), normalised x rounded to bf16 before the dot (like torch's bf16 RMSNorm output).
+// Weights ("weight" params) are read with ld.global.nc; activations ("in" params) with plain loads.
+#ifndef MEGART_TASKS_DENSE_CUH
+#define MEGART_TASKS_DENSE_CUH
+
+namespace megart {
+namespace dense {
+
+constexpr int kFlagResidual = 1;  // gemv_m1 / gemv_m1_fp8: y = W x + residual
+constexpr int kFlagNorm = 2;      // RMSNorm prologue on x with norm_weight
+constexpr int kFlagLogits = 4;    // lm_head_argmax: also store the f32 logits
+constexpr int kWarps = MEGART_THREADS / 32;
+constexpr int kScratchBytes = 256;  // block reductions: 32 floats + 32 ints; x is staged after it
+constexpr int kUnroll = 8;          // 16-byte weight loads in flight per row per lane
+constexpr int kNoIndex = 0x7fffffff;
+// L2 prefetch budget per instance. A whole slice is not prefetched: 132 workers x (current + next
+// instance) x a large slice (gate_up of Llama-1B: 500 KB; an LM-head tile: 4 MB) overflows the 60 MB
+// L2, and lines evicted before use would be read from HBM twice. 64 KB is ~2 us of one SM's share of
+// HBM bandwidth: enough to cover a dependency wait; the body's own loads stream the rest.
+constexpr unsigned long long kPrefetchBytes = 64ull << 10;
+static_assert(kWarps <= 32, "dense tasks assume at most 32 warps");
+
+// ---- loads ----------------------------------------------------------------------------------
+// Read-only weights: non-coherent path, no L1 allocation (streamed once), 256-byte L2 sectors.
+// (Without __CUDA_ARCH__ this is the host simulation of megart/tasks/dense_hostsim.py: a plain load.)
+__device__ __forceinline__ uint4 ld_weight(const void* p) {
+#ifdef __CUDA_ARCH__
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+#else
+  return *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
+// Activations another task of this launch may have written: a plain (coherent) load.
+__device__ __forceinline__ uint4 ld_act(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// ---- bf16 / fp8 packing ---------------------------------------------------------------------
+__device__ __forceinline__ float bf_lo(unsigned v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
+
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  f[0] = bf_lo(v.x); f[1] = bf_hi(v.x); f[2] = bf_lo(v.y); f[3] = bf_hi(v.y);
+  f[4] = bf_lo(v.z); f[5] = bf_hi(v.z); f[6] = bf_lo(v.w); f[7] = bf_hi(v.w);
+}
+
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+}
+
+__device__ __forceinline__ float dot8(const uint4& w, const float (&x)[8], float acc) {
+  acc = fmaf(bf_lo(w.x), x[0], acc); acc = fmaf(bf_hi(w.x), x[1], acc);
+  acc = fmaf(bf_lo(w.y), x[2], acc); acc = fmaf(bf_hi(w.y), x[3], acc);
+  acc = fmaf(bf_lo(w.z), x[4], acc); acc = fmaf(bf_hi(w.z), x[5], acc);
+  acc = fmaf(bf_lo(w.w), x[6], acc); acc = fmaf(bf_hi(w.w), x[7], acc);
+  return acc;
+}
+
+// 4 e4m3 bytes -> 4 floats (exact: every e4m3 value is an f16 value).
+__device__ __forceinline__ void fp8x4(unsigned v, float* f) {
+  const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
+  const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v >> 16), __NV_E4M3);
+  const float2 fa = __half22float2(__half2(a)), fb = __half22float2(__half2(b));
+  f[0] = fa.x; f[1] = fa.y; f[2] = fb.x; f[3] = fb.y;
+}
+
+__device__ __forceinline__ float dot16_fp8(const uint4& w, const uint4& x0, const uint4& x1, float acc) {
+  float wf[16], xf[8];
+  fp8x4(w.x, wf); fp8x4(w.y, wf + 4); fp8x4(w.z, wf + 8); fp8x4(w.w, wf + 12);
+  unpack8(x0, xf);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc = fmaf(wf[i], xf[i], acc);
+  unpack8(x1, xf);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc = fmaf(wf[8 + i], xf[i], acc);
+  return acc;
+}
+
+// Prefetch the first min(bytes, cap) bytes of a weight slice into L2 (16-byte units; call from one thread).
+__device__ __forceinline__ void prefetch_head(const void* p, unsigned long long bytes,
+                                              unsigned long long cap = kPrefetchBytes) {
+  megart::prefetch_l2(p, bytes < cap ? bytes : cap);
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+
+// ---- x staging (+ fused RMSNorm prologue) ------------------------------------------------------
+// xs[0:k) = x, or bf16(x * rsqrt(mean(x^2) + eps) * g) when `norm`. k % 8 == 0, x and g 16-byte
+// aligned. Every CTA reduces the whole x itself (no grid barrier before the GEMV). Ends synced.
+__device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloat16* g, int k, bool norm,
+                                        float eps, uint4* xs, float* scratch) {
+  const int kc = k >> 3;
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < kc; c += MEGART_THREADS) {
+    const uint4 v = ld_act(x + 8 * c);
+    xs[c] = v;
+    if (norm) {
+      float f[8];
+      unpack8(v, f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
+    }
+  }
+  if (norm) {
+    const float rstd = rsqrtf(block_sum(ss, scratch) / (float)k + eps);
+    for (int c = threadIdx.x; c < kc; c += MEGART_THREADS) {
+      float f[8], h[8];
+      unpack8(xs[c], f);
+      unpack8(ld_weight(g + 8 * c), h);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] = f[i] * rstd * h[i];
+      xs[c] = pack8(f);
+    }
+  }
+  __syncthreads();
+}
+
+// ---- warp dot products ---------------------------------------------------------------------------
+// acc[r] += this lane's share of w_r[c0:c1) . xs[c0:c1) (in 16-byte weight chunks; warp_sum after).
+// Both rows share each staged x chunk; 2 * kUnroll 16-byte weight loads per lane are in flight
+// before the first FMA. Past c1 the weights load as zero against a valid x chunk (no branches).
+template <bool FP8>
+__device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs, int c0, int c1, float (&acc)[2]) {
+  const int lane = threadIdx.x & 31;
+  const uint4* w0 = static_cast<const uint4*>(w[0]);
+  const uint4* w1 = static_cast<const uint4*>(w[1]);
+  for (int c = c0 + lane; c < c1; c += 32 * kUnroll) {
+    uint4 wa[kUnroll], wb[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const bool live = c + 32 * u < c1;
+      wa[u] = live ? ld_weight(w0 + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
+      wb[u] = live ? ld_weight(w1 + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int cx = min(c + 32 * u, c1 - 1);
+      if constexpr (FP8) {  // one chunk = 16 e4m3 weights = two staged bf16 x chunks
+        const uint4 x0 = xs[2 * cx], x1 = xs[2 * cx + 1];
+        acc[0] = dot16_fp8(wa[u], x0, x1, acc[0]);
+        acc[1] = dot16_fp8(wb[u], x0, x1, acc[1]);
+      } else {
+        float xf[8];
+        unpack8(xs[cx], xf);
+        acc[0] = dot8(wa[u], xf, acc[0]);
+        acc[1] = dot8(wb[u], xf, acc[1]);
+      }
+    }
+  }
+}
+
+// Matrix-vector over `groups` row pairs: rows(g, ptr) names the two weight rows of group g (the same
+// row twice for an odd tail), kc = 16-byte chunks per row, epi(g, dot0, dot1) runs on every lane of
+// one warp with full fp32 sums (bit-identical across lanes: butterfly sums commute).
+// groups >= warps: each warp owns whole groups (g = warp, warp + kWarps, ...). Fewer groups than
+// warps: the idle warps split K instead (kWarps / groups warps per group, partial sums combined in
+// `red`, 2 floats per warp, in a fixed order), so a small instance still has every warp streaming.
+template <bool FP8, class Rows, class Epi>
+__device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, float* red, Rows rows, Epi epi) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (groups >= kWarps) {
+    for (int g = warp; g < groups; g += kWarps) {
+      const void* w[2];
+      rows(g, w);
+      float s[2] = {0.f, 0.f};
+      dot2<FP8>(w, xs, 0, kc, s);
+      epi(g, warp_sum(s[0]), warp_sum(s[1]));
+    }
+    return;
+  }
+  const int split = kWarps / groups, g = warp / split, part = warp - g * split;
+  float s[2] = {0.f, 0.f};
+  if (g < groups) {
+    const void* w[2];
+    rows(g, w);
+    dot2<FP8>(w, xs, (int)((long long)kc * part / split), (int)((long long)kc * (part + 1) / split), s);
+    s[0] = warp_sum(s[0]);
+    s[1] = warp_sum(s[1]);
+  }
+  if (lane == 0) {
+    red[2 * warp] = s[0];
+    red[2 * warp + 1] = s[1];
+  }
+  __syncthreads();
+  if (warp < groups) {
+    float a = 0.f, b = 0.f;
+    for (int q = 0; q < split; ++q) {
+      a += red[2 * (warp * split + q)];
+      b += red[2 * (warp * split + q) + 1];
+    }
+    epi(warp, a, b);
+  }
+  __syncthreads();
+}
+
+// Row pairs (2g, 2g + 1) of a row-major W with n rows of `row_bytes`.
+struct PairRows {
+  const char* w;
+  int n;
+  long long row_bytes;
+  __device__ __forceinline__ void operator()(int g, const void* (&p)[2]) const {
+    const int r = 2 * g, r1 = r + 1 < n ? r + 1 : r;
+    p[0] = w + r * row_bytes;
+    p[1] = w + r1 * row_bytes;
+  }
+};
+
+__device__ __forceinline__ uint4* xs_of(char* smem) { return reinterpret_cast<uint4*>(smem + kScratchBytes); }
+__device__ __forceinline__ float* scratch_of(char* smem) { return reinterpret_cast<float*>(smem); }
+
+// (v, i) beats (bv, bi): larger value, ties to the lower index. NaN is treated as -inf by callers.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float nan_low(float v) { return v != v ? neg_inf() : v; }
+
+// Block-wide (value, index) argmax; thread 0 gets the answer. `scratch` holds 32 floats + 32 ints.
+__device__ __forceinline__ void block_argmax(float& bv, int& bi, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+  }
+  int* sidx = reinterpret_cast<int*>(scratch + 32);
+  __syncthreads();
+  if (lane == 0) { scratch[warp] = bv; sidx[warp] = bi; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w)
+      if (better(scratch[w], sidx[w], bv, bi)) { bv = scratch[w]; bi = sidx[w]; }
+  }
+}
+
+}  // namespace dense
+}  // namespace megart
+
+// ---- gemv_m1: y[n] = W[n,k] @ norm?(x) (+ residual) ---------------------------------------------
+template <class P>
+__device__ __forceinline__ void megart_task_gemv_m1(const P& p, char* smem) {
+  using namespace megart;
+  using namespace megart::dense;
+  uint4* xs = xs_of(smem);
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const bool res = p.flags & kFlagResidual;
+  const int lane = threadIdx.x & 31;
+  matvec<false>((p.n + 1) >> 1, p.k >> 3, xs, scratch_of(smem),
+                PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}, [&](int g, float a, float b) {
+                  const int r = 2 * g + lane;
+                  if (lane < 2 && r < p.n) {
+                    float v = lane ? b : a;
+                    if (res) v += __bfloat162float(p.residual[r]);
+                    p.y[r] = __float2bfloat16_rn(v);
+                  }
+                });
+}
+
+template <class P>
+__device__ __forceinline__ void megart_prefetch_gemv_m1(const P& p) {
+  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
+}
+
+// ---- gemv_m1_fp8: y[n] = scale[n] * (W8[n,k] @ norm?(x)) (+ residual) ---------------------------
+template <class P>
+__device__ __forceinline__ void megart_task_gemv_m1_fp8(const P& p, char* smem) {
+  using namespace megart;
+  using namespace megart::dense;
+  uint4* xs = xs_of(smem);
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const bool res = p.flags & kFlagResidual;
+  const int lane = threadIdx.x & 31;
+  matvec<true>((p.n + 1) >> 1, p.k >> 4, xs, scratch_of(smem),
+               PairRows{reinterpret_cast<const char*>(p.w), p.n, (long long)p.k}, [&](int g, float a, float b) {
+                 const int r = 2 * g + lane;
+                 if (lane < 2 && r < p.n) {
+                   float v = (lane ? b : a) * __ldg(p.scale + r);
+                   if (res) v += __bfloat162float(p.residual[r]);
+                   p.y[r] = __float2bfloat16_rn(v);
+                 }
+               });
+}
+
+template <class P>
+__device__ __forceinline__ void megart_prefetch_gemv_m1_fp8(const P& p) {
+  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 1ull * p.n * p.k);
+}
+
+// ---- group_gemm_m1: the live row of one active expert, rows [n) of its W[e] ----------------------
+template <class P>
+__device__ __forceinline__ void megart_task_group_gemm_m1(const P& p, char* smem) {
+  using namespace megart;
+  using namespace megart::dense;
+  uint4* xs = xs_of(smem);
+  stage_x(p.a, nullptr, p.k, false, 0.f, xs, scratch_of(smem));
+  const int lane = threadIdx.x & 31;
+  matvec<false>((p.n + 1) >> 1, p.k >> 3, xs, scratch_of(smem),
+                PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}, [&](int g, float a, float b) {
+                  const int r = 2 * g + lane;
+                  if (lane < 2 && r < p.n) p.y[r] = __float2bfloat16_rn(lane ? b : a);
+                });
+}
+
+template <class P>
+__device__ __forceinline__ void megart_prefetch_group_gemm_m1(const P& p) {
+  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
+}
+
+// ---- gate_up_silu: h[n] = silu(Wg x) * (Wu x); a group is (gate row r, up row r) ------------------
+template <class P>
+struct GateUpRows {
+  const P& p;
+  __device__ __forceinline__ void operator()(int g, const void* (&w)[2]) const {
+    w[0] = p.w_gate + (size_t)g * p.k;
+    w[1] = p.w_up + (size_t)g * p.k;
+  }
+};
+
+template <class P>
+__device__ __forceinline__ void megart_task_gate_up_silu(const P& p, char* smem) {
+  using namespace megart;
+  using namespace megart::dense;
+  uint4* xs = xs_of(smem);
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const int lane = threadIdx.x & 31;
+  matvec<false>(p.n, p.k >> 3, xs, scratch_of(smem), GateUpRows<P>{p}, [&](int g, float gate, float up) {
+    if (lane == 0) p.h[g] = __float2bfloat16_rn(silu(gate) * up);
+  });
+}
+
+template <class P>
+__device__ __forceinline__ void megart_prefetch_gate_up_silu(const P& p) {
+  if (threadIdx.x == 0) {
+    megart::dense::prefetch_head(p.w_gate, 2ull * p.n * p.k, megart::dense::kPrefetchBytes / 2);
+    megart::dense::prefetch_head(p.w_up, 2ull * p.n * p.k, megart::dense::kPrefetchBytes / 2);
+  }
+}
+
+// ---- lm_head_argmax: logits of vocab rows [row0, row0 + n), partial argmax -----------------------
+template <class P>
+__device__ __forceinline__ void megart_task_lm_head_argmax(const P& p, char* smem) {
+  using namespace megart;
+  using namespace megart::dense;
+  uint4* xs = xs_of(smem);
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const bool store = p.flags & kFlagLogits;
+  const int lane = threadIdx.x & 31;
+  float bv = neg_inf();
+  int bi = kNoIndex;
+  matvec<false>((p.n + 1) >> 1, p.k >> 3, xs, scratch_of(smem),
+                PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}, [&](int g, float a, float b) {
+                  const int r = 2 * g;
+                  if (store && lane < 2 && r + lane < p.n) p.logits[r + lane] = lane ? b : a;
+                  a = nan_low(a);
+                  if (better(a, p.row0 + r, bv, bi)) { bv = a; bi = p.row0 + r; }
+                  if (r + 1 < p.n) {
+                    b = nan_low(b);
+                    if (better(b, p.row0 + r + 1, bv, bi)) { bv = b; bi = p.row0 + r + 1; }
+                  }
+                });
+  block_argmax(bv, bi, scratch_of(smem));
+  if (threadIdx.x == 0) {
+    p.part_val[0] = bv;
+    p.part_idx[0] = bi;
+  }
+}
+
+template <class P>
+__device__ __forceinline__ void megart_prefetch_lm_head_argmax(const P& p) {
+  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
+}
+
+// ---- argmax_reduce: token = part_idx of the largest part_val (ties: lowest index) ----------------
+template <class P>
+__device__ __forceinline__ void megart_task_argmax_reduce(const P& p, char* smem) {
+  using namespace megart;
+  using namespace megart::dense;
+  float bv = neg_inf();
+  int bi = kNoIndex;
+  for (int i = threadIdx.x; i < p.n; i += MEGART_THREADS) {
+    const float v = nan_low(p.part_val[i]);
+    const int id = p.part_idx[i];
+    if (better(v, id, bv, bi)) { bv = v; bi = id; }
+  }
+  block_argmax(bv, bi, scratch_of(smem));
+  if (threadIdx.x == 0) p.token[0] = bi;
+}
+
+// ---- rmsnorm: y[n] = bf16(x[off + i] * rsqrt(mean(x^2) + eps) * w[i]), x reduced whole ----------
+template <class P>
+__device__ __forceinline__ void megart_task_rmsnorm(const P& p, char* smem) {
+  using namespace megart;
+  using namespace megart::dense;
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < (p.k >> 3); c += MEGART_THREADS) {
+    float f[8];
+    unpack8(ld_act(p.x + 8 * c), f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
+  }
+  const float rstd = rsqrtf(block_sum(ss, scratch_of(smem)) / (float)p.k + p.eps);
+  for (int c = threadIdx.x; c < (p.n >> 3); c += MEGART_THREADS) {
+    float f[8], h[8];
+    unpack8(ld_act(p.x + p.off + 8 * c), f);
+    unpack8(ld_weight(p.w + 8 * c), h);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = f[i] * rstd * h[i];
+    *reinterpret_cast<uint4*>(p.y + 8 * c) = pack8(f);
+  }
+}
+
+// ---- silu_mul: h = bf16(silu(g) * u), elementwise -------------------------------------------------
+template <class P>
+__device__ __forceinline__ void megart_task_silu_mul(const P& p, char*) {
+  using namespace megart;
+  using namespace megart::dense;
+  const int nc = p.n >> 3;
+  for (int c = threadIdx.x; c < nc; c += MEGART_THREADS) {
+    float g[8], u[8];
+    unpack8(ld_act(p.g + 8 * c), g);
+    unpack8(ld_act(p.u + 8 * c), u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) g[i] = silu(g[i]) * u[i];
+    *reinterpret_cast<uint4*>(p.h + 8 * c) = pack8(g);
+  }
+  for (int i = 8 * nc + threadIdx.x; i < p.n; i += MEGART_THREADS)
+    p.h[i] = __float2bfloat16_rn(silu(__bfloat162float(p.g[i])) * __bfloat162float(p.u[i]));
+}
+
+// ---- embedding: y[n] = table[token[0], col0 : col0 + n] (token clamped into [0, vocab)) -----------
+template <class P>
+__device__ __forceinline__ void megart_task_embedding(const P& p, char*) {
+  using namespace megart;
+  using namespace megart::dense;
+  int tok = p.token[0];
+  tok = tok < 0 ? 0 : (tok >= p.vocab ? p.vocab - 1 : tok);
+  const __nv_bfloat16* src = p.table + (size_t)tok * p.d + p.col0;
+  for (int c = threadIdx.x; c < (p.n >> 3); c += MEGART_THREADS)
+    *reinterpret_cast<uint4*>(p.y + 8 * c) = ld_weight(src + 8 * c);
+}
+
+#endif  // MEGART_TASKS_DENSE_CUH

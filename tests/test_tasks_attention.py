@@ -1,0 +1,357 @@
+"""Attention task types on the CPU: qkv_rope_append, attention_decode, attention_merge are built into a
+PersistentKernel (nw=132, device="cpu"), compiled with NVRTC for sm_90a (0 spill bytes), emulated, and
+compared with the whole-op fp32 references of megart.geometry.attention.
+
+Tolerances (measured, docs/TASKS.md "Attention tasks"): relative error ||got - ref|| / ||ref|| under
+TOL_QKV / TOL_ATTN and cosine >= 0.99.
+  qkv_rope_append: E = 3.5e-3 (bf16-projection HF-style implementation vs fp32), D = 0.195 (RoPE at pos - 1,
+                   = RoPE skipped at pos 1); tol 1e-2 = 2.9x E, D / 19.5.
+  attention:       E = 2.3e-3 (torch SDPA in bf16 vs fp32), D = 0.18 (last of 16 chunks dropped; the current
+                   token dropped at kv_len <= 17); tol 1e-2 = 4.3x E, D / 18.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import megart
+from megart.errors import GraphError
+from megart.geometry.attention import (attention_m1, attention_scratch, qkv_m1, ref_attention_decode,
+                                       ref_qkv_rope_append, rope_tables)
+from megart.tasks.attention import attention_chunks, chunk_range
+
+TOL_QKV = 1e-2
+TOL_ATTN = 1e-2
+COS_MIN = 0.99
+NW = 132
+THETA = 500000.0
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPES = {64: dict(n_q=32, n_kv=8, hd=64, d=2048), 128: dict(n_q=32, n_kv=8, hd=128, d=4096)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The emulator runs hundreds of tiny per-instance torch ops; intra-op threads only add sync overhead
+    (50x on a loaded 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rel(got, ref) -> float:
+    got, ref = got.float().reshape(-1), ref.float().reshape(-1)
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def cos(got, ref) -> float:
+    return torch.nn.functional.cosine_similarity(got.float().reshape(1, -1), ref.float().reshape(1, -1)).item()
+
+
+def check(got, ref, tol, what):
+    r, c = rel(got, ref), cos(got, ref)
+    assert c >= COS_MIN and r < tol, f"{what}: cosine {c:.5f}, relative error {r:.3e} (tol {tol:.0e})"
+
+
+def compiled(pk):
+    pk.compile()
+    rep = pk.report
+    assert rep.spill_bytes == 0, f"register spills: {rep}"
+    return pk
+
+
+# --- builders --------------------------------------------------------------------------------------------
+
+def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=NW, cache_seed=100, dev="cpu"):
+    n_q, n_kv, hd, d = sh["n_q"], sh["n_kv"], sh["hd"], sh["d"]
+    w, x, nwt = qkv_m1(n_q, n_kv, hd, d, seed=seed)
+    cs, sn = rope_tables(max_seq, hd, THETA)
+    _, k, v = attention_m1(n_q, n_kv, hd, 0, max_seq, seed=cache_seed)
+    T = lambda a, name: pk.tensor(a.clone().to(dev), name)
+    t = dict(q=T(torch.zeros(n_q * hd, dtype=torch.bfloat16), "q"), k=T(k, "k"), v=T(v, "v"), w=T(w, "w"),
+             x=T(x, "x"), nw=T(nwt, "norm_w"), cos=T(cs, "cos"), sin=T(sn, "sin"),
+             pos=T(torch.tensor([pos], dtype=torch.int32), "pos"))
+    pk.task("qkv_rope_append", q=t["q"], k_cache=t["k"], v_cache=t["v"], w_qkv=t["w"], x=t["x"],
+            norm_weight=t["nw"] if norm else None, eps=1e-5, cos=t["cos"], sin=t["sin"], pos=t["pos"],
+            n_q=n_q, n_kv=n_kv, hd=hd, tiles=tiles, kv_refs=kv_refs)
+    ref = ref_qkv_rope_append(x, w, cs, sn, pos, n_q, n_kv, hd, nwt if norm else None, 1e-5) if pos < max_seq else None
+    return t, dict(k0=k, v0=v, ref=ref, w=w, x=x, nw=nwt if norm else None, cos=cs, sin=sn)
+
+
+def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu"):
+    n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
+    C = attention_chunks(n_kv, max_seq, pk.nw, chunk=chunk, tiles=tiles)
+    po, pm = attention_scratch(n_q, n_kv, hd, C, device=dev)
+    t["po"], t["pm"] = pk.tensor(po, "part_o"), pk.tensor(pm, "part_ml")
+    t["out"] = pk.tensor(torch.zeros(n_q * hd, dtype=torch.bfloat16, device=dev), "out")
+    pk.task("attention_decode", q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], part_o=t["po"],
+            part_ml=t["pm"], n_q=n_q, n_kv=n_kv, hd=hd, chunk=chunk, tiles=tiles)
+    pk.task("attention_merge", out=t["out"], part_o=t["po"], part_ml=t["pm"], n_q=n_q, n_kv=n_kv, hd=hd,
+            chunks=C, tiles=n_q)
+    return C
+
+
+def attention_only(sh, max_seq, kv_len, chunk=0, tiles=1, seed=0, dev="cpu", nw=NW, **pk_kw):
+    n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
+    q, k, v = attention_m1(n_q, n_kv, hd, kv_len, max_seq, seed=seed)
+    pk = megart.PersistentKernel(nw=nw, device=dev, **pk_kw)
+    T = lambda a, name: pk.tensor(a.clone().to(dev), name)
+    t = dict(q=T(q, "q"), k=T(k, "k"), v=T(v, "v"), pos=T(torch.tensor([kv_len - 1], dtype=torch.int32), "pos"))
+    C = build_attention(pk, t, sh, max_seq, chunk=chunk, tiles=tiles, dev=dev)
+    return pk, t, (q, k, v), C
+
+
+# --- qkv_rope_append ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("pos,norm", [(0, True), (1, False), (777, True), (4095, True)])
+def test_qkv_rope_append(hd, pos, norm):
+    sh, ms = SHAPES[hd], 4096
+    pk = megart.PersistentKernel(nw=NW, device="cpu")
+    t, r = build_qkv(pk, sh, ms, pos, seed=hd + pos, norm=norm)
+    compiled(pk)
+    h = pk.emulate()
+    q_ref, k_ref, v_ref = r["ref"]
+    check(h["q"], q_ref, TOL_QKV, "q")
+    check(h["k"][:, pos], k_ref, TOL_QKV, "k row")
+    check(h["v"][:, pos], v_ref, TOL_QKV, "v row")
+    keep = torch.ones(ms, dtype=torch.bool)
+    keep[pos] = False
+    assert torch.equal(h["k"][:, keep], r["k0"][:, keep]), "k cache changed outside row pos"
+    assert torch.equal(h["v"][:, keep], r["v0"][:, keep]), "v cache changed outside row pos"
+
+
+def test_qkv_spreads_over_the_grid_and_keeps_pairs():
+    sh = SHAPES[64]
+    for kv_refs in ("strict", "partition"):
+        pk = megart.PersistentKernel(nw=NW, device="cpu")
+        build_qkv(pk, sh, 256, 5, kv_refs=kv_refs)
+        insts = pk.graph.instances
+        assert len(insts) == NW
+        half = sh["hd"] // 2
+        covered = {}
+        for inst in insts:
+            p = inst.params
+            assert p["npairs"] >= 1 and p["pair0"] + p["npairs"] <= half
+            # the w slice holds both halves of every pair of the instance
+            assert p["w"].count == (half + p["npairs"]) * sh["d"]
+            key = (p["w"].offset // sh["d"] - p["pair0"]) // sh["hd"]
+            covered.setdefault(key, []).append((p["pair0"], p["npairs"]))
+        for head, parts in covered.items():
+            parts.sort()
+            assert parts[0][0] == 0 and sum(n for _, n in parts) == half, head
+        cache_insts = [i for i in insts if i.params["mode"] & 4]
+        if kv_refs == "strict":
+            assert len(cache_insts) == 2 * sh["n_kv"]
+        else:
+            assert len(cache_insts) > 2 * sh["n_kv"]
+        # no instance of the call waits on another one (no false write-after-write chains)
+        assert all(not inst.deps for inst in insts), kv_refs
+
+
+def test_qkv_partition_mode_matches():
+    sh, ms, pos = SHAPES[64], 512, 300
+    pk = megart.PersistentKernel(nw=NW, device="cpu")
+    t, r = build_qkv(pk, sh, ms, pos, kv_refs="partition")
+    C = build_attention(pk, t, sh, ms)
+    compiled(pk)
+    outs = [pk.emulate(seed=s) for s in range(3)]
+    q_ref, k_ref, v_ref = r["ref"]
+    check(outs[0]["k"][:, pos], k_ref, TOL_QKV, "k row")
+    check(outs[0]["v"][:, pos], v_ref, TOL_QKV, "v row")
+    kc, vc = r["k0"].clone(), r["v0"].clone()
+    kc[:, pos], vc[:, pos] = outs[0]["k"][:, pos], outs[0]["v"][:, pos]
+    check(outs[0]["out"], ref_attention_decode(outs[0]["q"], kc, vc, pos + 1), TOL_ATTN, "attention")
+    for o in outs[1:]:   # other legal interleavings give the same bytes: every dependency is in the graph
+        for name in ("q", "k", "v", "out"):
+            assert torch.equal(o[name], outs[0][name]), name
+    # every attention instance waits on every qkv instance writing its kv head
+    qkv = [i for i in pk.graph.instances if i.type.name == "qkv_rope_append"]
+    for a in (i for i in pk.graph.instances if i.type.name == "attention_decode"):
+        h = (a.params["k_cache"].offset // (ms * sh["hd"]))
+        writers = {i.uid for i in qkv if i.params["mode"] & 4
+                   and i.params["dst"].tensor is a.params["k_cache"].tensor
+                   and i.params["dst"].offset // (ms * sh["hd"]) == h}
+        assert writers and writers <= a.deps
+
+
+def test_qkv_pos_out_of_range_writes_nothing():
+    sh, ms = SHAPES[64], 128
+    pk = megart.PersistentKernel(nw=NW, device="cpu")
+    t, r = build_qkv(pk, sh, ms, ms)      # pos == max_seq
+    compiled(pk)
+    h = pk.emulate()
+    assert torch.equal(h["k"], r["k0"]) and torch.equal(h["v"], r["v0"])
+    assert not h["q"].any()
+
+
+def test_qkv_small_grid_and_default_tiles():
+    sh, ms, pos = SHAPES[64], 64, 9
+    pk = megart.PersistentKernel(nw=8, device="cpu")
+    t, r = build_qkv(pk, sh, ms, pos, tiles=1)     # tiles=1: one sub-tile per head at nw=8 (48 heads)
+    assert len(pk.graph.instances) == 48
+    compiled(pk)
+    h = pk.emulate()
+    check(h["q"], r["ref"][0], TOL_QKV, "q")
+    check(h["k"][:, pos], r["ref"][1], TOL_QKV, "k row")
+
+
+# --- attention_decode + attention_merge -------------------------------------------------------------------
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("kv_len,chunk", [(1, 0), (2, 0), (17, 0), (333, 0), (2048, 0), (1, 256), (333, 256),
+                                          (2047, 256), (2048, 256)])
+def test_attention(hd, kv_len, chunk):
+    sh, ms = SHAPES[hd], 2048
+    pk, t, (q, k, v), C = attention_only(sh, ms, kv_len, chunk=chunk, seed=kv_len + hd)
+    compiled(pk)
+    h = pk.emulate()
+    check(h["out"], ref_attention_decode(q, k, v, kv_len), TOL_ATTN, "attention out")
+    # every partial slot was written (scratch starts as NaN); empty chunks carry m = -inf, l = 0
+    assert not torch.isnan(h["part_o"]).any() and not torch.isnan(h["part_ml"]).any()
+    ml = h["part_ml"].view(sh["n_kv"], C, -1, 2)
+    for c in range(C):
+        lo, hi = chunk_range(chunk, c, C, kv_len)
+        if hi <= lo:
+            assert torch.all(ml[:, c, :, 0] == float("-inf")) and torch.all(ml[:, c, :, 1] == 0)
+        else:
+            assert torch.all(ml[:, c, :, 1] >= 1.0)
+
+
+def test_attention_32k_context():
+    """32768-token cache, dynamic chunks over the grid; kv_len 32768 (full) and an odd short length."""
+    sh, ms = SHAPES[64], 32768
+    for kv_len in (32768, 1001):
+        pk, t, (q, k, v), C = attention_only(sh, ms, kv_len, seed=7)
+        assert C == NW // sh["n_kv"]
+        compiled(pk)
+        h = pk.emulate()
+        check(h["out"], ref_attention_decode(q, k, v, kv_len), TOL_ATTN, f"attention kv_len {kv_len}")
+
+
+def test_attention_32k_static_small_chunks():
+    """Static 2048-position chunks over a 32k cache: 16 chunks per head, only the first has work."""
+    sh, ms, kv_len = SHAPES[128], 32768, 1500
+    pk, t, (q, k, v), C = attention_only(sh, ms, kv_len, chunk=2048, seed=3)
+    assert C == 16
+    compiled(pk)
+    h = pk.emulate()
+    check(h["out"], ref_attention_decode(q, k, v, kv_len), TOL_ATTN, "attention static 32k")
+
+
+def test_attention_detects_feature_drops():
+    """The gate discriminates: dropping the last chunk or the current token is far outside TOL_ATTN."""
+    sh, ms, kv_len = SHAPES[64], 2048, 17
+    q, k, v = attention_m1(sh["n_q"], sh["n_kv"], sh["hd"], kv_len, ms, seed=1)
+    ref = ref_attention_decode(q, k, v, kv_len)
+    assert rel(ref_attention_decode(q, k, v, kv_len - 1), ref) > 10 * TOL_ATTN
+    ref2 = ref_attention_decode(q, k, v, 2048)
+    assert rel(ref_attention_decode(q, k, v, 2048 - 128), ref2) > 10 * TOL_ATTN
+
+
+# --- the fused chain in one kernel ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hd,pos", [(64, 0), (64, 2046), (128, 1234)])
+def test_decode_chain(hd, pos):
+    """qkv_rope_append -> attention_decode -> attention_merge in one kernel: the new row is attended."""
+    sh, ms = SHAPES[hd], 2048
+    pk = megart.PersistentKernel(nw=NW, device="cpu")
+    t, r = build_qkv(pk, sh, ms, pos, seed=pos)
+    build_attention(pk, t, sh, ms)
+    compiled(pk)
+    a, b = pk.emulate(seed=0), pk.emulate(seed=1)
+    assert torch.equal(a["out"], b["out"])
+    q_ref, k_ref, v_ref = r["ref"]
+    check(a["q"], q_ref, TOL_QKV, "q")
+    kc, vc = r["k0"].float(), r["v0"].float()
+    kc[:, pos], vc[:, pos] = k_ref, v_ref
+    check(a["out"], ref_attention_decode(q_ref, kc, vc, pos + 1), TOL_ATTN, "attention out vs fp32 chain")
+    # attention waits on the projection (one whole-call wait), the merge on attention
+    groups = {g.label: g for g in pk.graph.groups}
+    att = pk.graph.instances[groups["attention_decode"].uids[0]]
+    assert set(groups["qkv_rope_append"].uids) & att.deps
+
+
+# --- refusals ---------------------------------------------------------------------------------------------
+
+def _raises(fn, match):
+    with pytest.raises(GraphError, match=match):
+        fn()
+
+
+def test_bad_shapes_are_refused():
+    sh, ms = SHAPES[64], 64
+    n_q, n_kv, hd, d = sh["n_q"], sh["n_kv"], sh["hd"], sh["d"]
+    pk = megart.PersistentKernel(nw=8, device="cpu")
+    bf = torch.bfloat16
+    z = lambda *s, dt=bf: torch.zeros(*s, dtype=dt)
+    q, k, v = pk.tensor(z(n_q * hd), "q"), pk.tensor(z(n_kv, ms, hd), "k"), pk.tensor(z(n_kv, ms, hd), "v")
+    w, x = pk.tensor(z((n_q + 2 * n_kv) * hd, d), "w"), pk.tensor(z(d + 8), "x")
+    cs, sn = pk.tensor(z(ms, hd // 2, dt=torch.float32), "cos"), pk.tensor(z(ms, hd // 2, dt=torch.float32), "sin")
+    pos = pk.tensor(torch.zeros(2, dtype=torch.int32), "pos")
+    po, pm = pk.tensor(z(n_kv, 1, 4, hd, dt=torch.float32), "po"), pk.tensor(z(n_kv, 1, 4, 2, dt=torch.float32), "pm")
+    out = pk.tensor(z(n_q * hd), "out")
+    base = dict(q=q, k_cache=k, v_cache=v, w_qkv=w, x=x.ref(0, d), cos=cs, sin=sn, pos=pos.ref(0, 1), n_q=n_q,
+                n_kv=n_kv, hd=hd)
+    qkv = lambda **kw: pk.task("qkv_rope_append", **{**base, **kw})
+    _raises(lambda: qkv(hd=96), "hd must be one of")
+    _raises(lambda: qkv(n_kv=5), "multiple of n_kv")
+    _raises(lambda: qkv(x=x.ref(0, d - 8)), "w_qkv has")
+    _raises(lambda: qkv(x=x.ref(4, d)), "16-byte boundary")
+    _raises(lambda: qkv(x=x.ref(0, 12)), "multiple of 8")
+    _raises(lambda: qkv(pos=pos), "single i32")
+    _raises(lambda: qkv(cos=cs.ref(0, ms * hd // 2 - hd // 2)), "cos must be")
+    _raises(lambda: qkv(q=q.ref(0, n_q * hd - 1)), "q has")
+    _raises(lambda: qkv(v_cache=v.ref(0, n_kv * ms * hd - hd)), "k_cache/v_cache")
+    _raises(lambda: qkv(kv_refs="loose"), "kv_refs")
+    _raises(lambda: qkv(norm_weight=x), "norm_weight has")
+    _raises(lambda: qkv(max_seq=ms + 1), "max_seq")
+    _raises(lambda: qkv(eps=0.0), "eps")
+    abase = dict(q=q, k_cache=k, v_cache=v, pos=pos.ref(0, 1), part_o=po, part_ml=pm, n_q=n_q, n_kv=n_kv, hd=hd,
+                 chunks=1)
+    att = lambda **kw: pk.task("attention_decode", **{**abase, **kw})
+    _raises(lambda: att(n_q=24), "group")
+    _raises(lambda: att(hd=32), "hd must be one of")
+    _raises(lambda: att(chunks=2), "part_o has")
+    _raises(lambda: att(chunk=-1), "chunk must be")
+    _raises(lambda: att(chunk=16, chunks=3), "chunks=3")
+    _raises(lambda: att(part_ml=po), "part_ml has")
+    _raises(lambda: att(pos=pos), "single i32")
+    mbase = dict(out=out, part_o=po, part_ml=pm, n_q=n_q, n_kv=n_kv, hd=hd, chunks=1)
+    mrg = lambda **kw: pk.task("attention_merge", **{**mbase, **kw})
+    _raises(lambda: mrg(chunks=2), "part_o has")
+    _raises(lambda: mrg(out=q.ref(0, hd)), "out has")
+    _raises(lambda: mrg(chunks=0), "chunks must be")
+    assert not pk.graph.instances     # nothing was added by a refused call
+    pk.task("attention_merge", **mbase)    # the good call is accepted
+
+
+# --- sources, costs ---------------------------------------------------------------------------------------
+
+def test_shared_helper_block_is_identical():
+    blocks = []
+    for name in ("qkv_rope_append", "attention_decode", "attention_merge"):
+        src = (ROOT / "tasks" / f"{name}.cuh").read_text()
+        m = re.search(r"#ifndef MEGART_ATTN_COMMON.*?#endif  // MEGART_ATTN_COMMON", src, re.S)
+        assert m, name
+        blocks.append(m.group(0))
+    assert blocks[0] == blocks[1] == blocks[2]
+
+
+def test_costs():
+    from megart import registry
+    sh, ms, pos = SHAPES[64], 2048, 2047
+    pk = megart.PersistentKernel(nw=NW, device="cpu")
+    t, _ = build_qkv(pk, sh, ms, pos)
+    n_q, n_kv, hd, d = sh["n_q"], sh["n_kv"], sh["hd"], sh["d"]
+    c = registry.get("qkv_rope_append").cost(q=t["q"], k_cache=t["k"], v_cache=t["v"], w_qkv=t["w"], x=t["x"],
+                                             norm_weight=t["nw"], n_q=n_q, n_kv=n_kv, hd=hd)
+    assert c.bytes > (n_q + 2 * n_kv) * hd * d * 2 and c.flops == 2 * (n_q + 2 * n_kv) * hd * d
+    a = registry.get("attention_decode").cost(q=t["q"], k_cache=t["k"], pos=t["pos"], n_q=n_q, n_kv=n_kv, hd=hd)
+    assert a.bytes >= 2 * n_kv * (pos + 1) * hd * 2     # the KV bytes are the floor
+    m = registry.get("attention_merge").cost(n_q=n_q, n_kv=n_kv, hd=hd, chunks=16)
+    assert m.bytes > 0

@@ -1,0 +1,585 @@
+"""Dense decode task types on the CPU. Each test builds a PersistentKernel(device="cpu"), compiles it
+with NVRTC for sm_90a (0 spill bytes), then runs it twice: the reference emulator (each task's Python
+reference, `emu`) and the host simulation of the CUDA bodies themselves (megart.tasks.dense_hostsim,
+`dev`: tasks/dense.cuh compiled with g++, one CTA as 256 fibers in random order). Both are gated
+against the fp32 whole-op references of megart.geometry.dense: cosine >= 0.99 AND relative error
+<= the per-task tolerance of docs/TASKS.md (tol >= 2x E, <= D/10), and against each other. Each
+test also recomputes D (the cheapest feature drop) and checks the tolerance would catch it. Bad
+shapes and dtypes must raise GraphError at build time."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megart
+from megart import GraphError
+from megart.geometry import dense as geo
+from megart.tasks import dense as dense_tasks
+from megart.tasks import dense_hostsim
+
+TOL = geo.TASK_TOL   # per task: docs/TASKS.md, "Dense tasks" (E and D measured at the shapes below)
+NW = 132
+LLAMA1B = dict(d=2048, ffn=8192, vocab=128256)
+LLAMA8B = dict(d=4096, ffn=14336)
+
+
+def kernel(nw: int = NW) -> megart.PersistentKernel:
+    return megart.PersistentKernel(nw=nw, device="cpu")
+
+
+def run(pk: megart.PersistentKernel, steps: int = 1, seed: int = 0):
+    """Compile (no spills), then (emulator result, host-simulated device result)."""
+    pk.compile()
+    r = pk.report
+    assert r.spill_bytes == 0, f"ptxas spilled: {r}"
+    emu = pk.emulate(steps=steps, seed=seed)
+    dev = {k: v.clone() for k, v in dense_hostsim.run(pk, steps=steps, seed=seed).items()}
+    return emu, dev
+
+
+def gate(task: str, emu, dev, ref, drop=None) -> None:
+    """Both results: cosine >= 0.99 and relerr <= TOL[task]; device body vs Python mirror within tol/2;
+    `drop` (a feature-dropped reference) must be >= 10x tol away from ref."""
+    tol = TOL[task]
+    for which, out in (("emu", emu), ("dev", dev)):
+        c, e = geo.cosine(out, ref), geo.relerr(out, ref)
+        print(f"[gate] {task} {which}: E={e:.3e} cos={c:.6f}")
+        assert c >= 0.99, f"{task} ({which}): cosine {c:.5f} < 0.99 (relerr {e:.3e})"
+        assert e <= tol, f"{task} ({which}): relerr {e:.3e} > tol {tol:.0e} (cosine {c:.5f})"
+    de = geo.relerr(dev, emu)
+    print(f"[gate] {task} dev-vs-emu: {de:.3e}")
+    assert de <= tol / 2, f"{task}: device body and Python mirror differ by {de:.3e}"
+    if drop is not None:
+        d = geo.relerr(drop, ref)
+        print(f"[gate] {task}: D={d:.3e}")
+        assert d >= 10 * tol, f"{task}: the feature drop differs by only {d:.3e}; tol {tol:.0e} cannot see it"
+
+
+def bf16(t):
+    return t.to(torch.bfloat16)
+
+
+# ---- gemv_m1 -------------------------------------------------------------------------------------------
+GEMV_SHAPES = [
+    pytest.param(2048, 2048, 132, id="1b-qproj"),
+    pytest.param(2048, 8192, 132, id="1b-down"),
+    pytest.param(4096, 14336, 132, id="8b-down"),
+    pytest.param(1001, 2056, 7, id="odd"),
+    pytest.param(3, 24, 5, id="tiny"),
+]
+
+
+@pytest.mark.parametrize("n,k,tiles", GEMV_SHAPES)
+@pytest.mark.parametrize("mode", ["plain", "residual", "inplace", "norm", "norm+residual"])
+def test_gemv_m1(n, k, tiles, mode):
+    if k > 8192 and mode not in ("inplace", "norm"):
+        pytest.skip("8B-class shape: two modes are enough on the CPU")
+    w, x = geo.dense_m1(n, k, seed=n + k)
+    res = bf16(torch.randn(n, generator=torch.Generator().manual_seed(7)))
+    g = geo.norm_weight(k, seed=3) if "norm" in mode else None
+    pk = kernel()
+    W, X = pk.tensor(w, "w"), pk.tensor(x, "x")
+    G = pk.tensor(g, "g") if g is not None else None
+    if mode == "inplace":                        # x += W a: the residual stream is y itself
+        Y = pk.tensor(res.clone(), "y")
+        R = Y
+    else:
+        Y = pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y")
+        R = pk.tensor(res, "r") if "residual" in mode else None
+    has_res = R is not None
+    pk.task("gemv_m1", y=Y, w=W, x=X, residual=R, norm_weight=G, eps=1e-5, tiles=tiles)
+    emu, dev = run(pk)
+    ref = geo.ref_gemv(w, x, residual=res if has_res else None, norm_weight=g)
+    if has_res:
+        drop = geo.ref_gemv(w, x, norm_weight=g)
+    elif g is not None:
+        drop = geo.ref_gemv(w, x, norm_weight=torch.ones_like(g))   # forgot the norm gain
+    else:
+        drop = None
+    if n >= 100:
+        gate("gemv_m1", emu["y"], dev["y"], ref, drop)
+    else:                                        # a handful of outputs: elementwise instead of norms
+        for out in (emu["y"], dev["y"]):
+            torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_gemv_m1_dependencies_and_dummies():
+    """Absent residual/norm operands point at x[0] and add no dependency; y slices do not overlap."""
+    n, k = 300, 64
+    w, x = geo.dense_m1(n, k, seed=1)
+    pk = kernel(8)
+    W, X, Y = pk.tensor(w, "w"), pk.tensor(x, "x"), pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y")
+    g = pk.task("gemv_m1", y=Y, w=W, x=X, tiles=8)
+    insts = [pk.graph.instances[u] for u in g.uids]
+    assert len(insts) == 8 and all(not i.deps for i in insts)
+    for i in insts:
+        assert i.params["residual"].tensor is X and i.params["residual"].count == 1
+        assert i.params["norm_weight"].tensor is X and i.params["flags"] == 0
+    spans = sorted((i.params["y"].offset, i.params["y"].count) for i in insts)
+    assert spans[0][0] == 0 and sum(c for _, c in spans) == n
+    assert all(a + c == b for (a, c), (b, _) in zip(spans, spans[1:]))
+    assert all(i.params["w"].count == i.params["n"] * k for i in insts)
+    # a consumer of y waits on the producer of its slice only
+    Z = pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "z")
+    c = pk.task("silu_mul", h=Z, g=Y, u=Y, tiles=8)
+    for u in c.uids:
+        assert pk.graph.instances[u].deps
+
+
+def test_gemv_m1_rejects_bad_shapes_and_dtypes():
+    pk = kernel(4)
+    w, x = geo.dense_m1(64, 64, seed=0)
+    W, X = pk.tensor(w, "w"), pk.tensor(x, "x")
+    Y = pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "y")
+    with pytest.raises(GraphError, match="multiple of 8"):
+        pk.task("gemv_m1", y=Y, w=W.ref(0, 64 * 63), x=X.ref(0, 63), tiles=2)
+    with pytest.raises(GraphError, match="needs 4096"):
+        pk.task("gemv_m1", y=Y, w=W.ref(0, 4000), x=X, tiles=2)
+    with pytest.raises(GraphError, match="needs bf16"):
+        pk.task("gemv_m1", y=pk.tensor(torch.zeros(64, dtype=torch.float16), "yh"), w=W, x=X, tiles=2)
+    with pytest.raises(GraphError, match="needs bf16"):
+        pk.task("gemv_m1", y=Y, w=pk.tensor(w.float(), "wf"), x=X, tiles=2)
+    with pytest.raises(GraphError, match="norm_weight has"):
+        pk.task("gemv_m1", y=Y, w=W, x=X, norm_weight=X.ref(0, 32), tiles=2)
+    with pytest.raises(GraphError, match="residual has"):
+        pk.task("gemv_m1", y=Y, w=W, x=X, residual=Y.ref(0, 32), tiles=2)
+    with pytest.raises(GraphError, match="16-byte boundary"):
+        big = pk.tensor(torch.zeros(72, dtype=torch.bfloat16), "big")
+        pk.task("gemv_m1", y=Y, w=W, x=big.ref(1, 64), tiles=2)
+    with pytest.raises(GraphError, match="overlap"):
+        yx = pk.tensor(torch.zeros(128, dtype=torch.bfloat16), "yx")
+        pk.task("gemv_m1", y=yx.ref(0, 64), w=W, x=yx.ref(32, 64), tiles=2)
+    with pytest.raises(GraphError, match="exactly y"):
+        r2 = pk.tensor(torch.zeros(96, dtype=torch.bfloat16), "r2")
+        pk.task("gemv_m1", y=r2.ref(0, 64), w=W, x=X, residual=r2.ref(8, 64), tiles=2)
+    big_k = dense_tasks.MAX_K + 8
+    with pytest.raises(GraphError, match="shared memory"):
+        xb = pk.tensor(torch.zeros(big_k, dtype=torch.bfloat16), "xb")
+        pk.task("gemv_m1", y=Y.ref(0, 1), w=pk.tensor(torch.zeros(big_k, dtype=torch.bfloat16), "wb"), x=xb)
+    with pytest.raises(GraphError, match="tiles"):
+        pk.task("gemv_m1", y=Y, w=W, x=X, tiles=0)
+
+
+# ---- gemv_m1_fp8 ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,k,tiles,mode", [
+    pytest.param(2048, 2048, 132, "residual", id="1b-qproj-res"),
+    pytest.param(8192, 2048, 132, "norm", id="1b-up-norm"),
+    pytest.param(4096, 14336, 132, "plain", id="8b-down"),
+    pytest.param(1001, 272, 7, "norm+residual", id="odd"),
+])
+def test_gemv_m1_fp8(n, k, tiles, mode):
+    w, x = geo.dense_m1(n, k, seed=n * 3 + k)
+    w8, scale = geo.quantize_fp8_per_channel(w)
+    res = bf16(torch.randn(n, generator=torch.Generator().manual_seed(5))) if "residual" in mode else None
+    g = geo.norm_weight(k, seed=4) if "norm" in mode else None
+    pk = kernel()
+    Y = pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y")
+    pk.task("gemv_m1_fp8", y=Y, w=pk.tensor(w8, "w8"), scale=pk.tensor(scale, "s"), x=pk.tensor(x, "x"),
+            residual=pk.tensor(res, "r") if res is not None else None,
+            norm_weight=pk.tensor(g, "g") if g is not None else None, tiles=tiles)
+    emu, dev = run(pk)
+    ref = geo.ref_gemv_fp8(w8, scale, x, residual=res, norm_weight=g)
+    if res is not None:
+        drop = geo.ref_gemv_fp8(w8, scale, x, norm_weight=g)
+    elif g is not None:
+        drop = geo.ref_gemv_fp8(w8, scale, x, norm_weight=torch.ones_like(g))
+    else:
+        drop = geo.ref_gemv_fp8(w8, torch.ones_like(scale) * scale.mean(), x)   # one scale for all channels
+    gate("gemv_m1_fp8", emu["y"], dev["y"], ref, drop)
+    # the quantisation itself stays small next to the bf16 weights it came from
+    assert geo.relerr(ref, geo.ref_gemv(w, x, residual=res, norm_weight=g)) < 0.1
+
+
+def test_gemv_m1_fp8_rejects():
+    pk = kernel(4)
+    w8, s = geo.quantize_fp8_per_channel(geo.dense_m1(16, 40, seed=0)[0])
+    x = pk.tensor(torch.zeros(40, dtype=torch.bfloat16), "x")
+    Y = pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y")
+    with pytest.raises(GraphError, match="multiple of 16"):
+        pk.task("gemv_m1_fp8", y=Y, w=pk.tensor(w8, "w8"), scale=pk.tensor(s, "s"), x=x)
+    with pytest.raises(GraphError, match="needs fp8e4m3"):
+        pk.task("gemv_m1_fp8", y=Y.ref(0, 8), w=pk.tensor(torch.zeros(8, 32, dtype=torch.bfloat16), "wb"),
+                scale=pk.tensor(s[:8].clone(), "s8"), x=x.ref(0, 32))
+    with pytest.raises(GraphError, match="scale"):
+        pk.task("gemv_m1_fp8", y=Y.ref(0, 8), w=pk.tensor(w8[:8, :32].contiguous(), "w8b"), x=x.ref(0, 32))
+
+
+# ---- gate_up_silu --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("f,k,tiles,norm", [
+    pytest.param(8192, 2048, 132, True, id="1b-norm"),
+    pytest.param(14336, 4096, 132, True, id="8b-norm"),
+    pytest.param(1000, 264, 7, False, id="odd"),
+])
+def test_gate_up_silu(f, k, tiles, norm):
+    wg, x = geo.dense_m1(f, k, seed=11)
+    wu, _ = geo.dense_m1(f, k, seed=12)
+    g = geo.norm_weight(k, seed=13) if norm else None
+    pk = kernel()
+    H = pk.tensor(torch.zeros(f, dtype=torch.bfloat16), "h")
+    pk.task("gate_up_silu", h=H, w_gate=pk.tensor(wg, "wg"), w_up=pk.tensor(wu, "wu"), x=pk.tensor(x, "x"),
+            norm_weight=pk.tensor(g, "g") if g is not None else None, tiles=tiles)
+    emu, dev = run(pk)
+    ref = geo.ref_gate_up_silu(wg, wu, x, norm_weight=g)
+    drop = (geo.ref_gate_up_silu(wg, wu, x, norm_weight=torch.ones_like(g)) if norm
+            else (wg.float() @ x.float()) * (wu.float() @ x.float()))        # forgot the silu
+    gate("gate_up_silu", emu["h"], dev["h"], ref, drop)
+
+
+def test_gate_up_silu_rejects():
+    pk = kernel(4)
+    x = pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "x")
+    H = pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "h")
+    wg = pk.tensor(torch.zeros(16, 64, dtype=torch.bfloat16), "wg")
+    with pytest.raises(GraphError, match="w_up has"):
+        pk.task("gate_up_silu", h=H, w_gate=wg, w_up=pk.tensor(torch.zeros(15, 64, dtype=torch.bfloat16), "wu"),
+                x=x)
+
+
+# ---- silu_mul / rmsnorm / embedding ----------------------------------------------------------------------
+@pytest.mark.parametrize("n,tiles", [(8192, 132), (14336, 132), (1001, 7), (5, 3)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_silu_mul(n, tiles, inplace):
+    gen = torch.Generator().manual_seed(n)
+    g, u = bf16(3 * torch.randn(n, generator=gen)), bf16(torch.randn(n, generator=gen))
+    pk = kernel()
+    G, U = pk.tensor(g.clone(), "g"), pk.tensor(u, "u")
+    H = G if inplace else pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "h")
+    pk.task("silu_mul", h=H, g=G, u=U, tiles=tiles)
+    emu, dev = run(pk)
+    key = "g" if inplace else "h"
+    ref = geo.ref_silu_mul(g, u)
+    gate("silu_mul", emu[key], dev[key], ref, drop=g.float() * u.float())
+    # one rounding of the fp32 result: equal to the rounded reference bar exp() ulps at rounding ties
+    for out in (emu[key], dev[key]):
+        assert geo.relerr(out, ref.to(torch.bfloat16)) < 1e-3
+
+
+@pytest.mark.parametrize("d,tiles", [(2048, 132), (4096, 16), (2056, 7), (8, 1)])
+def test_rmsnorm(d, tiles):
+    x = bf16(3 * torch.randn(d, generator=torch.Generator().manual_seed(d)))
+    w = geo.norm_weight(d, seed=d + 1)
+    pk = kernel()
+    Y = pk.tensor(torch.zeros(d, dtype=torch.bfloat16), "y")
+    pk.task("rmsnorm", y=Y, x=pk.tensor(x, "x"), w=pk.tensor(w, "w"), eps=1e-5, tiles=tiles)
+    emu, dev = run(pk)
+    ref = geo.ref_rmsnorm(x, w, 1e-5)
+    gate("rmsnorm", emu["y"], dev["y"], ref, drop=geo.ref_rmsnorm(x, torch.ones_like(w)))
+
+
+def test_rmsnorm_rejects():
+    pk = kernel(4)
+    x = pk.tensor(torch.zeros(20, dtype=torch.bfloat16), "x")
+    with pytest.raises(GraphError, match="multiple of 8"):
+        pk.task("rmsnorm", y=pk.tensor(torch.zeros(20, dtype=torch.bfloat16), "y"), x=x, w=x)
+    xx = pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "xx")
+    with pytest.raises(GraphError, match="overlap"):
+        pk.task("rmsnorm", y=xx, x=xx, w=pk.tensor(torch.ones(16, dtype=torch.bfloat16), "w"))
+
+
+@pytest.mark.parametrize("vocab,d,tiles,token", [
+    (5000, 2048, 132, 4321), (3000, 4096, 16, 0), (1000, 264, 7, 999), (1000, 264, 3, 5000), (1000, 264, 3, -7)])
+def test_embedding(vocab, d, tiles, token):
+    table = geo.dense_m1(vocab, d, seed=vocab)[0]
+    pk = kernel()
+    Y = pk.tensor(torch.zeros(d, dtype=torch.bfloat16), "y")
+    pk.task("embedding", y=Y, table=pk.tensor(table, "table"),
+            token=pk.tensor(torch.tensor([token], dtype=torch.int32), "tok"), tiles=tiles)
+    emu, dev = run(pk)
+    row = min(max(token, 0), vocab - 1)                      # out-of-range ids are clamped
+    assert torch.equal(emu["y"], table[row]) and torch.equal(dev["y"], table[row])
+    assert geo.relerr(table[(row + 1) % vocab], table[row]) > 0.1   # D: the neighbouring row
+
+
+def test_embedding_rejects():
+    pk = kernel(4)
+    t = pk.tensor(torch.zeros(10, 16, dtype=torch.bfloat16), "t")
+    y = pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y")
+    with pytest.raises(GraphError, match="one element"):
+        pk.task("embedding", y=y, table=t, token=pk.tensor(torch.zeros(2, dtype=torch.int32), "tok2"))
+    with pytest.raises(GraphError, match="needs i32"):
+        pk.task("embedding", y=y, table=t, token=pk.tensor(torch.zeros(1, dtype=torch.int64), "tok64"))
+    with pytest.raises(GraphError, match="whole tensor"):
+        pk.task("embedding", y=y, table=t.ref(0, 80), token=pk.tensor(torch.zeros(1, dtype=torch.int32), "tk"))
+
+
+# ---- lm_head_argmax + argmax_reduce -----------------------------------------------------------------------
+def _lm_kernel(w, x, g, tiles, logits=True, nw=NW):
+    pk = kernel(nw)
+    v = w.shape[0]
+    parts = min(tiles, v)
+    W, X = pk.tensor(w, "w"), pk.tensor(x, "x")
+    PV, PI = pk.tensor(torch.zeros(parts), "pv"), pk.tensor(torch.zeros(parts, dtype=torch.int32), "pi")
+    L = pk.tensor(torch.zeros(v), "logits") if logits else None
+    T = pk.tensor(torch.full((1,), -1, dtype=torch.int32), "token")
+    pk.task("lm_head_argmax", w=W, x=X, part_val=PV, part_idx=PI, logits=L,
+            norm_weight=pk.tensor(g, "g") if g is not None else None, eps=1e-5, tiles=tiles)
+    pk.task("argmax_reduce", token=T, part_val=PV, part_idx=PI)
+    return pk
+
+
+@pytest.mark.parametrize("v,d,tiles,norm", [
+    pytest.param(16384, 2048, 132, True, id="1b-d-16k-vocab"),
+    pytest.param(8192, 4096, 132, False, id="8b-d"),
+    pytest.param(1001, 264, 7, True, id="odd"),
+])
+def test_lm_head_argmax(v, d, tiles, norm):
+    w, x = geo.dense_m1(v, d, seed=v + d)
+    g = geo.norm_weight(d, seed=2) if norm else None
+    emu, dev = run(_lm_kernel(w, x, g, tiles))
+    ref = geo.ref_lm_head(w, x, norm_weight=g)
+    drop = geo.ref_lm_head(w, x, norm_weight=torch.ones_like(g)) if norm else None
+    gate("lm_head_argmax", emu["logits"], dev["logits"], ref, drop)
+    for out in (emu, dev):
+        # the token is exactly the argmax of the logits the same run stored; the reference's up to near-ties
+        tok = int(out["token"][0])
+        assert tok == int(torch.argmax(out["logits"]))
+        assert ref[tok] >= ref.max() - 1e-2 * ref.abs().max()
+        # each partial is the max of its tile
+        assert torch.equal(out["pv"], out["logits"][out["pi"].long()])
+
+
+def test_lm_head_without_logits_and_ties():
+    """Two identical best rows in different tiles: the token is the lower index (both here and on the GPU,
+    where identical rows give bit-identical sums)."""
+    v, d = 999, 128
+    w, x = geo.dense_m1(v, d, seed=9)
+    best = bf16(x.float() / x.float().norm() * 3)            # a row well aligned with x
+    w[100], w[800] = best, best
+    for out in run(_lm_kernel(w, x, None, tiles=9, logits=False)):
+        assert int(out["token"][0]) == 100
+        assert int(out["pi"][0]) == 100 and int(out["pi"][7]) == 800
+
+
+def test_argmax_reduce_ties_and_nan():
+    pk = kernel(4)
+    vals = torch.tensor([1.0, float("nan"), 5.0, 5.0, -float("inf"), 5.0, 2.0])
+    idx = torch.tensor([10, 3, 70, 40, 1, 55, 2], dtype=torch.int32)
+    T = pk.tensor(torch.zeros(1, dtype=torch.int32), "t")
+    pk.task("argmax_reduce", token=T, part_val=pk.tensor(vals, "pv"), part_idx=pk.tensor(idx, "pi"))
+    for out in run(pk):
+        assert int(out["t"][0]) == 40
+
+
+def test_lm_head_full_vocab_builds():
+    """Llama-3.2-1B LM head (128256 x 2048, 525 MB of weights): build + compile + verify only."""
+    v, d = LLAMA1B["vocab"], LLAMA1B["d"]
+    w = torch.empty(v, d, dtype=torch.bfloat16)
+    x = torch.zeros(d, dtype=torch.bfloat16)
+    pk = _lm_kernel(w, x, torch.ones(d, dtype=torch.bfloat16), tiles=264)
+    pk.compile()
+    assert pk.report.spill_bytes == 0
+    insts = [i for i in pk.graph.instances if i.type.name == "lm_head_argmax"]
+    assert len(insts) == 264 and sum(i.params["n"] for i in insts) == v
+    assert max(i.params["n"] for i in insts) - min(i.params["n"] for i in insts) <= 1
+    red = [i for i in pk.graph.instances if i.type.name == "argmax_reduce"][0]
+    assert set(red.deps) == {i.uid for i in insts}
+
+
+def test_lm_head_rejects():
+    pk = kernel(4)
+    W = pk.tensor(torch.zeros(100, 64, dtype=torch.bfloat16), "w")
+    X = pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "x")
+    PV, PI = pk.tensor(torch.zeros(4), "pv"), pk.tensor(torch.zeros(4, dtype=torch.int32), "pi")
+    with pytest.raises(GraphError, match="one entry per instance"):
+        pk.task("lm_head_argmax", w=W, x=X, part_val=PV, part_idx=PI, tiles=5)
+    with pytest.raises(GraphError, match="vocabulary"):
+        pk.task("lm_head_argmax", w=W, x=X, part_val=PV, part_idx=PI, logits=pk.tensor(torch.zeros(99), "l"),
+                tiles=4)
+    with pytest.raises(GraphError, match="needs f32"):
+        pk.task("lm_head_argmax", w=W, x=X, part_val=pk.tensor(torch.zeros(4, dtype=torch.bfloat16), "pvb"),
+                part_idx=PI, tiles=4)
+
+
+# ---- group_gemm_m1 -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("e,active,n,k,tiles", [
+    pytest.param(8, [1, 4, 6], 2048, 2048, 132, id="8x2048x2048"),
+    pytest.param(16, [0, 3, 5, 9, 10, 12, 14, 15], 1536, 2048, 132, id="16x1536x2048-8active"),
+    pytest.param(3, [2, 0], 200, 136, 5, id="odd"),
+])
+def test_group_gemm_m1(e, active, n, k, tiles):
+    w, a, rows = geo.moe_m1(e, active, n, k, seed=e + n)
+    sentinel = bf16(torch.full((e * geo.EXPERT_ROWS, n), 7.0))
+    pk = kernel()
+    Y = pk.tensor(sentinel.clone(), "y")
+    g = pk.task("group_gemm_m1", y=Y, w=pk.tensor(w, "w"), a=pk.tensor(a, "a"), active=active, tiles=tiles)
+    emu, dev = run(pk)
+    ref = geo.ref_group_gemm_m1(w, a, active)
+    wrong = torch.stack([w[(ex + 1) % e].float() @ a[ex * geo.EXPERT_ROWS].float() for ex in active])
+    gate("group_gemm_m1", emu["y"][rows], dev["y"][rows], ref, drop=wrong)
+    mask = torch.ones(e * geo.EXPERT_ROWS, dtype=torch.bool)
+    mask[rows] = False
+    for out in (emu["y"], dev["y"]):
+        assert torch.equal(out[mask], sentinel[mask]), "padding rows and inactive experts must not be written"
+    # only active experts' weights are referenced
+    insts = [pk.graph.instances[u] for u in g.uids]
+    assert len(insts) >= min(tiles, len(active))
+    touched = {i.params["w"].offset // (n * k) for i in insts}
+    assert touched == set(active)
+
+
+def test_group_gemm_m1_rejects():
+    pk = kernel(4)
+    w = pk.tensor(torch.zeros(4, 16, 32, dtype=torch.bfloat16), "w")
+    a = pk.tensor(torch.zeros(4 * 128, 32, dtype=torch.bfloat16), "a")
+    y = pk.tensor(torch.zeros(4 * 128, 16, dtype=torch.bfloat16), "y")
+    for act, msg in (([4], "in \\[0, 4\\)"), ([1, 1], "twice"), ([], "at least one")):
+        with pytest.raises(GraphError, match=msg):
+            pk.task("group_gemm_m1", y=y, w=w, a=a, active=act, tiles=4)
+    with pytest.raises(GraphError, match="experts, N, K"):
+        pk.task("group_gemm_m1", y=y, w=pk.tensor(torch.zeros(64, 32, dtype=torch.bfloat16), "w2"), a=a, active=[0])
+    with pytest.raises(GraphError, match="a has"):
+        pk.task("group_gemm_m1", y=y, w=w, a=a.ref(0, 100 * 32), active=[0])
+
+
+# ---- a chained decode fragment: embedding -> fused-norm gemv (in place) -> gate_up -> lm_head -> token ------
+def test_chain_feeds_token_back():
+    """embedding(token) -> x += W_o norm(x) -> h = gate_up(norm(x)) -> lm_head(norm(x)) -> token: two steps
+    in one emulation, the second reading the token the first produced (no host in the loop)."""
+    vocab, d, f = 512, 256, 512
+    table, _ = geo.dense_m1(vocab, d, seed=21)
+    wo, _ = geo.dense_m1(d, d, seed=22)
+    wg, _ = geo.dense_m1(f, d, seed=23)
+    wu, _ = geo.dense_m1(f, d, seed=24)
+    g1, g2 = geo.norm_weight(d, seed=25), geo.norm_weight(d, seed=26)
+    pk = kernel(16)
+    T = pk.tensor(torch.tensor([17], dtype=torch.int32), "token")
+    X = pk.tensor(torch.zeros(d, dtype=torch.bfloat16), "x")
+    Xn = pk.tensor(torch.zeros(d, dtype=torch.bfloat16), "x2")
+    H = pk.tensor(torch.zeros(f, dtype=torch.bfloat16), "h")
+    PV, PI = pk.tensor(torch.zeros(16), "pv"), pk.tensor(torch.zeros(16, dtype=torch.int32), "pi")
+    TAB, G1, G2 = pk.tensor(table, "table"), pk.tensor(g1, "g1"), pk.tensor(g2, "g2")
+    pk.task("embedding", y=X, table=TAB, token=T, tiles=4)
+    pk.task("gemv_m1", y=Xn, w=pk.tensor(wo, "wo"), x=X, residual=X, norm_weight=G1, tiles=16)
+    pk.task("gate_up_silu", h=H, w_gate=pk.tensor(wg, "wg"), w_up=pk.tensor(wu, "wu"), x=Xn, norm_weight=G2,
+            tiles=16)
+    pk.task("lm_head_argmax", w=TAB, x=Xn, part_val=PV, part_idx=PI, norm_weight=G2, tiles=16)
+    pk.task("argmax_reduce", token=T, part_val=PV, part_idx=PI)
+    emu, dev = run(pk, steps=2)
+
+    tok = 17
+    for _ in range(2):
+        x = table[tok]
+        x2 = bf16(geo.ref_gemv(wo, x, residual=x, norm_weight=g1))
+        logits = geo.ref_lm_head(table, x2, norm_weight=g2)
+        tok = int(torch.argmax(logits))
+    h = geo.ref_gate_up_silu(wg, wu, x2, norm_weight=g2)
+    assert int(emu["token"][0]) == tok and int(dev["token"][0]) == tok
+    gate("gemv_m1", emu["x2"], dev["x2"], x2.float())
+    gate("gate_up_silu", emu["h"], dev["h"], h)
+
+
+# ---- launch geometry, prefetch, cost, and the host simulation itself ---------------------------------------
+def _all_dense_kernel(nw: int, threads: int = 256) -> megart.PersistentKernel:
+    """One instance-rich graph over every dense task type (small shapes)."""
+    pk = megart.PersistentKernel(nw=nw, device="cpu", threads=threads)
+    d, f, v = 256, 512, 640
+    table, _ = geo.dense_m1(v, d, seed=31)
+    wq, _ = geo.dense_m1(d, d, seed=32)
+    wg, _ = geo.dense_m1(f, d, seed=33)
+    wu, _ = geo.dense_m1(f, d, seed=34)
+    wd, _ = geo.dense_m1(d, f, seed=35)
+    w8, s8 = geo.quantize_fp8_per_channel(geo.dense_m1(d, d, seed=36)[0])
+    we, a, _ = geo.moe_m1(4, [1, 3], d, d, seed=37)
+    T = pk.tensor(torch.tensor([5], dtype=torch.int32), "token")
+    X = pk.tensor(torch.zeros(d, dtype=torch.bfloat16), "x")
+    Xn = pk.tensor(torch.zeros(d, dtype=torch.bfloat16), "xn")
+    Q = pk.tensor(torch.zeros(d, dtype=torch.bfloat16), "q")
+    Q8 = pk.tensor(torch.zeros(d, dtype=torch.bfloat16), "q8")
+    H = pk.tensor(torch.zeros(f, dtype=torch.bfloat16), "h")
+    H2 = pk.tensor(torch.zeros(f, dtype=torch.bfloat16), "h2")
+    YE = pk.tensor(torch.zeros(4 * geo.EXPERT_ROWS, d, dtype=torch.bfloat16), "ye")
+    PV, PI = pk.tensor(torch.zeros(8), "pv"), pk.tensor(torch.zeros(8, dtype=torch.int32), "pi")
+    G = pk.tensor(geo.norm_weight(d, seed=38), "g")
+    TAB = pk.tensor(table, "table")
+    pk.task("embedding", y=X, table=TAB, token=T, tiles=4)
+    pk.task("rmsnorm", y=Xn, x=X, w=G, tiles=3)
+    pk.task("gemv_m1", y=Q, w=pk.tensor(wq, "wq"), x=Xn, tiles=nw)
+    pk.task("gemv_m1_fp8", y=Q8, w=pk.tensor(w8, "w8"), scale=pk.tensor(s8, "s8"), x=X, norm_weight=G, tiles=5)
+    pk.task("gate_up_silu", h=H, w_gate=pk.tensor(wg, "wg"), w_up=pk.tensor(wu, "wu"), x=X, norm_weight=G, tiles=nw)
+    pk.task("silu_mul", h=H2, g=H, u=H, tiles=4)
+    pk.task("gemv_m1", y=X, w=pk.tensor(wd, "wd"), x=H2, residual=X, tiles=nw)
+    pk.task("group_gemm_m1", y=YE, w=pk.tensor(we, "we"), a=pk.tensor(a, "a"), active=[1, 3], tiles=6)
+    pk.task("lm_head_argmax", w=TAB, x=X, part_val=PV, part_idx=PI, norm_weight=G, tiles=8)
+    pk.task("argmax_reduce", token=T, part_val=PV, part_idx=PI)
+    return pk
+
+
+def test_two_ctas_per_sm_fit_without_spills():
+    """nw = 2 x SMs compiles with __launch_bounds__(256, 2): every dense body in <= 128 registers, no spills."""
+    pk = _all_dense_kernel(nw=264)
+    pk.compile()
+    assert pk.report.spill_bytes == 0 and pk.report.registers <= 128, pk.report
+    assert pk.occupancy.per_sm >= 2
+
+
+@pytest.mark.parametrize("threads", [128, 512])
+def test_other_cta_sizes(threads):
+    """MEGART_THREADS is a parameter of every body (warps own rows; K split when rows are scarce)."""
+    pk = _all_dense_kernel(nw=8, threads=threads)
+    emu, dev = run(pk, steps=2)
+    for name in ("q", "q8", "h", "h2", "x", "xn", "ye"):
+        assert geo.relerr(dev[name], emu[name]) < 5e-3, name
+    assert torch.equal(dev["token"], emu["token"])
+
+
+def test_prefetch_is_capped_and_covers_the_slice_head():
+    pk = _all_dense_kernel(nw=4)
+    pk.compile()
+    dense_hostsim.run(pk)
+    cap = 64 << 10
+    for inst in pk.graph.instances:
+        if not inst.type.prefetch:
+            continue
+        asked = dense_hostsim.run.prefetched[inst.uid]
+        slice_bytes = sum(inst.params[n].count * inst.params[n].tensor.itemsize
+                          for n in ("w", "w_gate", "w_up") if n in inst.params)
+        assert 0 < asked <= min(slice_bytes, cap), (inst.label(), asked, slice_bytes)
+        assert asked == min(slice_bytes, cap) or inst.type.name == "gate_up_silu"
+
+
+def test_cost_models():
+    pk = kernel(4)
+    n, k = 96, 64
+    W = pk.tensor(torch.zeros(n, k, dtype=torch.bfloat16), "w")
+    X, Y = pk.tensor(torch.zeros(k, dtype=torch.bfloat16), "x"), pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y")
+    t = megart.registry.get("gemv_m1")
+    c = t.cost(y=Y, w=W, x=X, residual=Y, norm_weight=None)
+    assert c.bytes == n * k * 2 + k * 2 + 2 * n * 2 and c.flops == 2 * n * k
+    c = megart.registry.get("group_gemm_m1").cost(y=None, w=pk.tensor(torch.zeros(8, n, k, dtype=torch.bfloat16), "we"),
+                                                   a=None, active=[1, 2, 5])
+    assert c.bytes == 3 * (n * k * 2 + k * 2 + n * 2)
+
+
+def _broken(tmp_path, old: str, new: str) -> str:
+    text = (megart.sources.source_root() / "tasks" / "dense.cuh").read_text()
+    assert text.count(old) == 1
+    p = tmp_path / "dense_broken.cuh"
+    p.write_text(text.replace(old, new))
+    return str(p)
+
+
+def test_hostsim_catches_a_missing_syncthreads(tmp_path):
+    """Dropping the barrier after x staging makes threads read unstaged (NaN-filled) shared memory."""
+    src = _broken(tmp_path, "      xs[c] = pack8(f);\n    }\n  }\n  __syncthreads();\n}",
+                  "      xs[c] = pack8(f);\n    }\n  }\n}")
+    n, k = 64, 512
+    w, x = geo.dense_m1(n, k, seed=1)
+    pk = megart.PersistentKernel(nw=2, device="cpu", source_overrides={"gemv_m1": src})
+    Y = pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y")
+    pk.task("gemv_m1", y=Y, w=pk.tensor(w, "w"), x=pk.tensor(x, "x"), tiles=2)
+    pk.compile()
+    out = dense_hostsim.run(pk)["y"]
+    assert not torch.isfinite(out.float()).all() or geo.relerr(out, geo.ref_gemv(w, x)) > 0.1
+
+
+def test_hostsim_catches_a_divergent_barrier(tmp_path):
+    src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;\n  if (groups >= kWarps) {",
+                  "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;\n  if (threadIdx.x == 3) return;\n"
+                  "  if (groups >= kWarps) {")
+    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides={"gemv_m1": src})
+    w, x = geo.dense_m1(16, 64, seed=1)
+    pk.task("gemv_m1", y=pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
+            x=pk.tensor(x, "x"))
+    pk.compile()
+    with pytest.raises(dense_hostsim.HostSimError, match="barrier"):
+        dense_hostsim.run(pk)
