@@ -3,11 +3,11 @@
 # Usage: scripts/gpu_check.sh [pytest args...]   (OUT=dir for logs and results; default ./out)
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; mkdir -p "$OUT"; export MEGART_GPU_OUT=$OUT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MEGART_REQUIRE_GPU=1
 export MEGART_CACHE_DIR=${MEGART_CACHE_DIR:-/tmp/megart-cache}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader || true
-python3 -m pytest -q -x -p no:cacheprovider "${@:-tests/gpu}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+python3 -m pytest -q -p no:cacheprovider "${@:-tests/gpu}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 echo "GPU tests exit: ${PIPESTATUS[0]}"
 if [ -z "${SKIP_BENCH:-}" ]; then
   python3 bench/runtime_bench.py --json "$OUT/runtime.json" 2>&1 | tee "$OUT/runtime_bench.log"
