@@ -1,0 +1,371 @@
+"""A Llama-style decoder as ONE persistent megakernel per decode step.
+
+    from megart.models import llama
+    m = llama.LlamaModel(llama.llama_1b())          # seeded weights + prefilled KV cache, compiled
+    logits, token = m.step(token=1234, pos=m.cfg.prefill)
+    tokens = m.generate(100)                        # greedy: token and pos stay on the device
+
+Graph, per step (every call spread over ~nw workers; all dependencies are events, no grid barrier):
+
+    pos_advance                           pos = pos_next; pos_next += 1          (1 instance)
+    embedding                             x[0] = table[token]                    (LM only)
+    per layer l:
+      qkv_rope_append  (fused in-norm)    q_l, K/V row pos of layer l's caches
+      attention_decode                    per (kv head, chunk) partials, ~nw instances
+      attention_merge                     a_l
+      gemv_m1 o_proj   (fused residual)   xm_l = x_l + Wo a_l
+      gate_up_silu     (fused post-norm)  h_l = silu(Wg n(xm_l)) * Wu n(xm_l)
+      gemv_m1 down     (fused residual)   x_{l+1} = xm_l + Wd h_l
+    lm_head_argmax (fused final norm) -> argmax_reduce (token, fed back) -> token_record (history[pos])
+
+The residual stream is written in single-assignment form (one bf16 buffer per layer and half-layer), so
+no call ever overwrites what another call of the same step still reads: every dependency is a
+read-after-write on one producer call, i.e. one event per wait, and nothing needs a barrier. `pos` is
+written once, first (pos_advance), so its dozens of readers depend on one tiny instance instead of a
+step-end write that would have to wait for all of them.
+
+Dependencies are declared explicitly (`after=`, the transitive reduction of the data flow) by default:
+the graph's byte-range inference scans every earlier access of the epoch per new access, which is
+quadratic and takes minutes for the 1B graph (~11k instances). deps="infer" builds the same graph with
+inference instead; tests/test_llama.py checks on the reduced model that every inferred dependency is
+implied by the explicit ones and that both produce the same bits.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import PersistentKernel
+from ..tasks.attention import attention_chunks
+from .llama_config import (CONFIGS, LlamaConfig, LlamaWeights, block_8b, clone_kv, config, llama_1b,  # noqa: F401
+                           llama_1b_fp8, make_inputs, make_kv_cache, make_weights, relerr, rope_tables, tiny)
+
+__all__ = ["LlamaModel", "LlamaConfig", "llama_1b", "llama_1b_fp8", "block_8b", "tiny", "config", "CONFIGS",
+           "make_weights", "make_kv_cache", "default_tiles", "relerr"]
+
+
+def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
+    """Instances per call. Weight-streaming calls get ~nw instances (one slice per worker); attention
+    gets nw // n_kv chunks per kv head; the LM head nw instances (~V/nw rows each)."""
+    return dict(
+        embedding=max(1, min(8, cfg.d // 256)),
+        qkv=nw,
+        attn_chunks=max(1, nw // cfg.n_kv),
+        merge=min(cfg.n_q, nw),
+        o=nw,
+        gate_up=nw,
+        down=nw,
+        lm=nw if cfg.vocab >= nw else cfg.vocab,
+        silu_mul=max(1, min(nw, cfg.ffn // 256)),
+    )
+
+
+class LlamaModel:
+    """Weights, KV caches, device state (token, pos) and the compiled megakernel of one decoder.
+
+    weights / kv: pass them to share with a reference (the kernel appends to `kv` in place); else they
+    are generated from `seed` / `kv_seed` on `device`. init="empty" allocates without filling (compile-only
+    builds of the full-size graph on a CPU). On a CPU the kernel still compiles for sm_90a, and step()
+    runs the schedule in megart's emulator (each task's CPU reference, a random legal interleaving).
+    """
+
+    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights | None = None, kv: list | None = None, *,
+                 device=None, nw: int | None = None, seed: int = 0, kv_seed: int = 1, init: str = "random",
+                 tiles: dict | None = None, deps: str = "explicit", kv_refs: str = "partition",
+                 logits: bool = True, profile: bool = False, profile_steps: int = 16, threads: int = 256,
+                 watchdog_s: float | None = None, compile: bool = True, sm_count: int | None = None):
+        if deps not in ("explicit", "infer"):
+            raise ValueError(f"deps must be 'explicit' or 'infer', got {deps!r}")
+        if device is None:
+            device = weights.layers[0]["wqkv"].device if weights is not None else (
+                "cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.cfg = cfg
+        self.weights = weights if weights is not None else make_weights(cfg, seed, self.device, init)
+        self.kv = kv if kv is not None else make_kv_cache(cfg, kv_seed, self.device, init)
+        self.pk = PersistentKernel(nw=nw, device=self.device, profile=profile, profile_steps=profile_steps,
+                                   threads=threads, watchdog_s=watchdog_s, sm_count=sm_count)
+        self.nw = self.pk.nw
+        self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
+        self.deps = deps
+        self.kv_refs = kv_refs
+        self.with_logits = logits and not cfg.block
+        self.groups: dict = {}
+        self._alloc()
+        self._build()
+        self._host = None
+        self._pos_next_host = cfg.prefill      # what pos_next holds on the device (tracked, never read back)
+        self._steps = 0
+        if compile:
+            self.compile()
+
+    # --- buffers ------------------------------------------------------------------------------------
+    def _alloc(self):
+        c, dev = self.cfg, self.device
+        bf, i32, f32 = torch.bfloat16, torch.int32, torch.float32
+        z = lambda *shape, dtype=bf: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        self.pos = z(1, dtype=i32)
+        self.pos_next = torch.full((1,), c.prefill, dtype=i32, device=dev)
+        self.cos, self.sin = rope_tables(c, dev)
+        self.chunks = attention_chunks(c.n_kv, c.max_seq, self.nw, chunks=self.tiles["attn_chunks"])
+        # single-assignment residual stream: xs[l] enters layer l, xm[l] is after its attention
+        self.xs = [z(c.d) for _ in range(c.layers + 1)]
+        self.xm = [z(c.d) for _ in range(c.layers)]
+        self.q = [z(c.n_q * c.hd) for _ in range(c.layers)]
+        self.attn = [z(c.n_q * c.hd) for _ in range(c.layers)]
+        self.h = [z(c.ffn) for _ in range(c.layers)]
+        self.part_o = [z(c.n_kv, self.chunks, c.group, c.hd, dtype=f32) for _ in range(c.layers)]
+        self.part_ml = [z(c.n_kv, self.chunks, c.group, 2, dtype=f32) for _ in range(c.layers)]
+        if c.block:
+            self.x_in = self.xs[0]
+            self.x_out = self.xs[-1]
+        else:
+            self.token = z(1, dtype=i32)
+            self.history = torch.full((c.max_seq,), -1, dtype=i32, device=dev)
+            n_parts = min(self.tiles["lm"], c.vocab)
+            self.part_val = z(n_parts, dtype=f32)
+            self.part_idx = z(n_parts, dtype=i32)
+            self.logits = z(c.vocab, dtype=f32)
+
+    # --- graph --------------------------------------------------------------------------------------
+    def _task(self, key: str, name: str, after: list, **kw):
+        if self.deps == "explicit":
+            g = self.pk.task(name, infer=False, after=[a for a in after if a is not None], label=key, **kw)
+        else:
+            g = self.pk.task(name, label=key, **kw)
+        self.groups[key] = g
+        return g
+
+    def _build(self):
+        c, W, T, tl = self.cfg, self.weights, self.pk.tensor, self.tiles
+        eps = c.eps
+        pos = T(self.pos, "pos")
+        g_pos = self._task("pos_advance", "pos_advance", [], pos=pos, pos_next=T(self.pos_next, "pos_next"))
+        cos, sin = T(self.cos, "rope_cos"), T(self.sin, "rope_sin")
+        xs = [T(t, f"x{i}") for i, t in enumerate(self.xs)]
+        if c.block:
+            g_prev = None
+        else:
+            token = T(self.token, "token")
+            table = T(W.embed, "embed")      # tied: the LM head streams this same table
+            g_prev = self._task("embedding", "embedding", [], y=xs[0], table=table, token=token,
+                                tiles=tl["embedding"])
+        fp8 = c.wdtype == "fp8"
+        for l in range(c.layers):
+            L = W.layers[l]
+            kc, vc = self.kv[l]
+            p = f"L{l}."
+            q = T(self.q[l], p + "q")
+            kct, vct = T(kc, p + "k_cache"), T(vc, p + "v_cache")
+            g_qkv = self._task(p + "qkv", "qkv_rope_append", [g_prev, g_pos],
+                               q=q, k_cache=kct, v_cache=vct, w_qkv=T(L["wqkv"], p + "wqkv"), x=xs[l],
+                               norm_weight=T(L["in_norm"], p + "in_norm"), eps=eps, cos=cos, sin=sin, pos=pos,
+                               n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, kv_refs=self.kv_refs, tiles=tl["qkv"])
+            po, pm = T(self.part_o[l], p + "part_o"), T(self.part_ml[l], p + "part_ml")
+            g_att = self._task(p + "attn", "attention_decode", [g_qkv],
+                               q=q, k_cache=kct, v_cache=vct, pos=pos, part_o=po, part_ml=pm, n_q=c.n_q,
+                               n_kv=c.n_kv, hd=c.hd, max_seq=c.max_seq, chunks=self.chunks,
+                               tiles=self.chunks * c.n_kv)
+            a = T(self.attn[l], p + "attn")
+            g_mrg = self._task(p + "merge", "attention_merge", [g_att], out=a, part_o=po, part_ml=pm,
+                               n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, chunks=self.chunks, tiles=tl["merge"])
+            xm = T(self.xm[l], p + "xm")
+            # o_proj: xm = x + Wo a. The residual x was produced before qkv, so merge implies it.
+            g_o = self._gemv(p + "o", L, "wo", y=xm, x=a, residual=xs[l], after=[g_mrg], tiles=tl["o"], fp8=fp8)
+            h = T(self.h[l], p + "h")
+            if fp8:
+                g_gu = self._gate_up_fp8(p, L, h, xm, g_o)
+            else:
+                g_gu = self._task(p + "gate_up", "gate_up_silu", [g_o], h=h, w_gate=T(L["wg"], p + "wg"),
+                                  w_up=T(L["wu"], p + "wu"), x=xm, norm_weight=T(L["post_norm"], p + "post_norm"),
+                                  eps=eps, tiles=tl["gate_up"])
+            # down: x_{l+1} = xm + Wd h. xm came from o_proj, which gate_up already waited for.
+            g_prev = self._gemv(p + "down", L, "wd", y=xs[l + 1], x=h, residual=xm, after=[g_gu],
+                                tiles=tl["down"], fp8=fp8)
+        if not c.block:
+            pv, pi = T(self.part_val, "part_val"), T(self.part_idx, "part_idx")
+            extra = dict(logits=T(self.logits, "logits")) if self.with_logits else {}
+            g_lm = self._task("lm_head", "lm_head_argmax", [g_prev], w=table, x=xs[-1], part_val=pv, part_idx=pi,
+                              norm_weight=T(W.final_norm, "final_norm"), eps=eps, tiles=tl["lm"], **extra)
+            # token is read by the embedding at the step's start: that write-after-read is implied here
+            g_am = self._task("argmax", "argmax_reduce", [g_lm], token=token, part_val=pv, part_idx=pi)
+            self._task("token_record", "token_record", [g_am],
+                       history=T(self.history, "history"), token=token, pos=pos)
+
+    def _gemv(self, key, L, name, *, y, x, residual, after, tiles, fp8):
+        p = key.rsplit(".", 1)[0] + "."
+        w = self.pk.tensor(L[name], p + name)
+        if fp8:
+            return self._task(key, "gemv_m1_fp8", after, y=y, w=w, scale=self.pk.tensor(L["s" + name], p + "s" + name),
+                              x=x, residual=residual, tiles=tiles)
+        return self._task(key, "gemv_m1", after, y=y, w=w, x=x, residual=residual, tiles=tiles)
+
+    def _gate_up_fp8(self, p, L, h, xm, g_o):
+        """fp8 has no fused gate_up_silu: one gemv_m1_fp8 over the stacked [2 ffn, d] gate|up matrix (fused
+        post-attention norm) into gu, then silu_mul(h, gu[:ffn], gu[ffn:])."""
+        c, T = self.cfg, self.pk.tensor
+        gu = torch.zeros(2 * c.ffn, dtype=torch.bfloat16, device=self.device)
+        self.gu = getattr(self, "gu", []) + [gu]
+        gut = T(gu, p + "gu")
+        g_gu = self._task(p + "gate_up_gemv", "gemv_m1_fp8", [g_o], y=gut, w=T(L["wgu"], p + "wgu"),
+                          scale=T(L["swgu"], p + "swgu"), x=xm, norm_weight=T(L["post_norm"], p + "post_norm"),
+                          eps=c.eps, tiles=self.tiles["gate_up"])
+        return self._task(p + "gate_up", "silu_mul", [g_gu], h=h, g=gut.ref(0, c.ffn), u=gut.ref(c.ffn, c.ffn),
+                          tiles=self.tiles["silu_mul"])
+
+    # --- compile / run ------------------------------------------------------------------------------
+    def compile(self) -> "LlamaModel":
+        self.pk.compile()
+        if self.device.type == "cpu":
+            self._host = {name: t.data for name, t in self.pk.graph.tensors.items()}
+        return self
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def reset(self, pos: int | None = None, token: int | None = None, clear_kv: bool = False) -> None:
+        """Set the device state: the next step runs at `pos` (default: cfg.prefill) with input `token`.
+        clear_kv zeroes every cache row >= pos (rows a previous run appended)."""
+        pos = self.cfg.prefill if pos is None else int(pos)
+        if not 0 <= pos < self.cfg.max_seq:
+            raise ValueError(f"pos {pos} outside [0, {self.cfg.max_seq})")
+        self.pos_next.fill_(pos)
+        self._pos_next_host = pos
+        if token is not None and not self.cfg.block:
+            self.token.fill_(int(token))
+        if clear_kv:
+            for k, v in self.kv:
+                k[:, pos:].zero_()
+                v[:, pos:].zero_()
+
+    @property
+    def next_pos(self) -> int:
+        return self._pos_next_host
+
+    def _run_one(self) -> None:
+        if self._pos_next_host >= self.cfg.max_seq:
+            raise ValueError(f"the KV cache is full: pos {self._pos_next_host} >= max_seq {self.cfg.max_seq}")
+        if self.on_gpu:
+            self.pk.launch()
+        else:
+            self.pk.emulate(1, seed=self._steps, host=self._host)
+        self._pos_next_host += 1
+        self._steps += 1
+
+    def step(self, inp=None, pos: int | None = None):
+        """One decode step: ONE kernel launch, nothing else when `inp` is None (the LM then reads the token
+        the previous step fed back; a block reads `x_in` as it is) and `pos` is None or the position the
+        device is at. LM: inp is a token id (int or tensor); returns (logits f32 [vocab], token i32 [1]),
+        the kernel's own buffers (overwritten by the next step). Block: inp is x (d,) bf16 (copied into
+        x_in unless it is x_in); returns x_out (d,) bf16 (also a kernel buffer). No host sync on a GPU:
+        call sync() (or read a result) to wait and to surface a watchdog error."""
+        c = self.cfg
+        if pos is not None and int(pos) != self._pos_next_host:
+            self.reset(pos)
+        if inp is not None:
+            if c.block:
+                x = inp.reshape(-1)
+                if x.data_ptr() != self.x_in.data_ptr():
+                    self.x_in.copy_(x)
+            elif isinstance(inp, torch.Tensor):
+                self.token.copy_(inp.reshape(-1)[:1].to(self.token.dtype))
+            else:
+                self.token.fill_(int(inp))
+        self._run_one()
+        if c.block:
+            return self.x_out
+        return (self.logits if self.with_logits else None), self.token
+
+    def generate(self, n: int, token: int | None = None, pos: int | None = None) -> torch.Tensor:
+        """Greedy decoding of n steps: n launches back to back (the kernel advances pos and feeds the
+        argmax back itself), one sync at the end. Returns the n generated token ids (i32, on the device)."""
+        if self.cfg.block:
+            raise ValueError("generate() needs an LM head; a block has step(x, pos) only")
+        if pos is not None or token is not None:
+            self.reset(self._pos_next_host if pos is None else pos, token)
+        start = self._pos_next_host
+        if start + n > self.cfg.max_seq:
+            raise ValueError(f"{n} steps from pos {start} overrun max_seq {self.cfg.max_seq}")
+        for _ in range(n):
+            self._run_one()
+        self.sync()
+        return self.history[start:start + n]
+
+    def sync(self) -> None:
+        if self.on_gpu:
+            self.pk.check()
+
+    # --- introspection ------------------------------------------------------------------------------
+    def bytes_per_step(self, pos: int | None = None) -> int:
+        return self.cfg.bytes_per_step(pos)
+
+    def instances(self) -> dict:
+        """Instances per call label (one step)."""
+        return {k: len(g.uids) for k, g in self.groups.items()}
+
+    def call_kind(self, label: str) -> str:
+        """'L3.gate_up' -> 'gate_up' (the per-layer calls of one kind are summed in breakdowns)."""
+        head, _, rest = label.partition(".")
+        return rest if rest and head[:1] == "L" and head[1:].isdigit() else label
+
+    def call_breakdown(self, prof) -> list:
+        """Per call kind (qkv, attn, merge, o, gate_up, down, lm_head, ...; summed over layers), medians over
+        the profiled steps, in us: `wall` (sum over the kind's calls of first body begin to last body end),
+        `slow_cta` (sum over calls of the busiest worker's body time), `sum_cta` (all body time), `wait`
+        (time workers spent waiting on events before this kind's instances), and `wait_share`: that
+        wait as a fraction of all worker-time in the step (nw x step wall)."""
+        import numpy as np
+        from ..profile import BODY_BEGIN, BODY_END, INSTANCE, STEP, WAIT_START, WORKER
+        rec = prof.records
+        labels = list(self.groups)
+        kinds = list(dict.fromkeys(self.call_kind(lb) for lb in labels))
+        n_uid = max(len(self.pk.graph.instances), int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
+        call_of = np.full(n_uid, -1, dtype=np.int64)
+        for ci, lb in enumerate(labels):
+            call_of[self.groups[lb].uids] = ci
+        kind_of_call = np.array([kinds.index(self.call_kind(lb)) for lb in labels])
+        per_step = {k: [] for k in ("wall", "slow_cta", "sum_cta", "wait", "wait_share")}
+        nc, nk = len(labels), len(kinds)
+        for st in prof.steps:
+            r = rec[rec[:, STEP] == st]
+            r = r[call_of[r[:, INSTANCE]] >= 0]
+            ci = call_of[r[:, INSTANCE]]
+            body = r[:, BODY_END] - r[:, BODY_BEGIN]
+            wait = r[:, BODY_BEGIN] - r[:, WAIT_START]
+            first = np.full(nc, np.iinfo(np.int64).max)
+            last = np.zeros(nc, dtype=np.int64)
+            np.minimum.at(first, ci, r[:, BODY_BEGIN])
+            np.maximum.at(last, ci, r[:, BODY_END])
+            present = last > 0
+            wall_c = np.where(present, last - first, 0)
+            per_w = np.zeros((nc, self.nw), dtype=np.int64)
+            np.add.at(per_w, (ci, r[:, WORKER]), body)
+            step_wall = prof.step_wall(st)
+            acc = {k: np.zeros(nk) for k in per_step}
+            np.add.at(acc["wall"], kind_of_call, wall_c)
+            np.add.at(acc["slow_cta"], kind_of_call, per_w.max(axis=1))
+            np.add.at(acc["sum_cta"], kind_of_call, np.bincount(ci, body, minlength=nc))
+            np.add.at(acc["wait"], kind_of_call, np.bincount(ci, wait, minlength=nc))
+            acc["wait_share"] = acc["wait"] / max(1, self.nw * step_wall)
+            for k in per_step:
+                per_step[k].append(acc[k])
+        out = []
+        for i, kind in enumerate(kinds):
+            calls = [lb for lb in labels if self.call_kind(lb) == kind]
+            row = dict(kind=kind, calls=len(calls), instances=sum(len(self.groups[c].uids) for c in calls))
+            for k, v in per_step.items():
+                med = float(np.median([a[i] for a in v])) if v else 0.0
+                row[k if k == "wait_share" else k + "_us"] = med if k == "wait_share" else med / 1e3
+            out.append(row)
+        return out
+
+    def describe(self) -> str:
+        c = self.cfg
+        n = len(self.pk.graph.instances)
+        return (f"{c.name}: {c.layers} layers, d {c.d}, ffn {c.ffn}, {c.n_q}/{c.n_kv} heads x {c.hd}, "
+                f"vocab {c.vocab or '-'}, {c.wdtype}; nw {self.nw}, {n} instances/step, "
+                f"{self.chunks} KV chunks/head, {math.ceil(c.bytes_per_step() / 1e6)} MB/step")
