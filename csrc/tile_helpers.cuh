@@ -25,12 +25,30 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+// L2 cache policies (sm_80+): evict-first for data streamed once, evict-last for data fetched ahead.
+__device__ __forceinline__ unsigned long long l2_evict_first() {
+  unsigned long long pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ unsigned long long l2_evict_last() {
+  unsigned long long pol;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
 // Ask the copy engine to pull [p, p + bytes) into L2 ahead of use (sm_90 bulk prefetch, 16-byte units).
+// With MEGART_L2_HINTS the lines are kept evict-last until the body reads them.
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long bytes) {
   const char* c = static_cast<const char*>(p);
   while (bytes >= 16) {
     const unsigned chunk = bytes > (1u << 20) ? (1u << 20) : (unsigned)(bytes & ~15ull);
+#ifdef MEGART_L2_HINTS
+    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(c), "r"(chunk),
+                 "l"(l2_evict_last()) : "memory");
+#else
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c), "r"(chunk) : "memory");
+#endif
     c += chunk;
     bytes -= chunk;
   }

@@ -37,7 +37,7 @@ class PersistentKernel:
 
     def __init__(self, nw: int | None = None, *, device=None, arch: str | None = None, threads: int = 256,
                  profile: bool = False, profile_steps: int = 16, watchdog_s: float | None = None,
-                 source_overrides: dict | None = None, sm_count: int | None = None):
+                 source_overrides: dict | None = None, sm_count: int | None = None, defines: dict | None = None):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -68,6 +68,7 @@ class PersistentKernel:
         if not 0 < self.watchdog_s < 3600:
             raise GraphError(f"watchdog_s must be in (0, 3600), got {self.watchdog_s}")
         self.source_overrides = dict(source_overrides or {})
+        self.defines = dict(defines or {})   # tuning macros for the device code (see codegen.env_defines)
         self.graph = Graph(self.nw, self.device)
         self.schedule: Schedule | None = None
         self.compiled: Compiled | None = None
@@ -108,8 +109,8 @@ class PersistentKernel:
         if verify:
             _verify(schedule)
         min_blocks = max(1, math.ceil(self.nw / self.sm_count))
-        cfg = codegen.KernelConfig(threads=self.threads, profile=self.profiling,
-                                   min_blocks=min_blocks)
+        cfg = codegen.KernelConfig(threads=self.threads, profile=self.profiling, min_blocks=min_blocks,
+                                   defines=self.defines)
         self.source = codegen.generate(self.task_types, cfg, self.source_overrides)
         self.compiled = compile_source(self.source, self.arch)
         r = self.compiled.report

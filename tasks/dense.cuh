@@ -28,18 +28,31 @@ constexpr int kNoIndex = 0x7fffffff;
 // instance) x a large slice (gate_up of Llama-1B: 500 KB; an LM-head tile: 4 MB) overflows the 60 MB
 // L2, and lines evicted before use would be read from HBM twice. 64 KB is ~2 us of one SM's share of
 // HBM bandwidth: enough to cover a dependency wait; the body's own loads stream the rest.
+// MEGART_PREFETCH_KB overrides it for tuning sweeps (PersistentKernel(defines=...) or MEGART_DEFINES).
+#ifdef MEGART_PREFETCH_KB
+constexpr unsigned long long kPrefetchBytes = (unsigned long long)MEGART_PREFETCH_KB << 10;
+#else
 constexpr unsigned long long kPrefetchBytes = 64ull << 10;
+#endif
 static_assert(kWarps <= 32, "dense tasks assume at most 32 warps");
 
 // ---- loads ----------------------------------------------------------------------------------
 // Read-only weights: non-coherent path, no L1 allocation (streamed once), 256-byte L2 sectors.
 // (Without __CUDA_ARCH__ this is the host simulation of megart/tasks/dense_hostsim.py: a plain load.)
+// With MEGART_L2_HINTS the streamed weights are marked evict-first in L2, so they do not push out the
+// lines the L2 prefetcher brought in (evict-last) for the next instance.
 __device__ __forceinline__ uint4 ld_weight(const void* p) {
 #ifdef __CUDA_ARCH__
   uint4 v;
+#ifdef MEGART_L2_HINTS
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "l"(megart::l2_evict_first()));
+#else
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
+#endif
   return v;
 #else
   return *reinterpret_cast<const uint4*>(p);
