@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
+
 from . import registry
 from .errors import GraphError
 from .registry import TaskType
@@ -47,6 +49,31 @@ class Group:
     label: str
 
 
+class _Accesses:
+    """Earlier accesses to one allocation: byte ranges, instance ids, write flags (numpy columns)."""
+
+    def __init__(self):
+        self.lo = np.empty(0, np.int64)
+        self.hi = np.empty(0, np.int64)
+        self.uid = np.empty(0, np.int64)
+        self.write = np.empty(0, bool)
+
+    def conflicts(self, lo: int, hi: int, is_write: bool):
+        hit = (self.lo < hi) & (lo < self.hi)
+        if not is_write:
+            hit &= self.write
+        return self.uid[hit].tolist()
+
+    def add(self, lo: int, hi: int, uid: int, is_write: bool) -> None:
+        if is_write:
+            keep = ~((lo <= self.lo) & (self.hi <= hi))
+            self.lo, self.hi, self.uid, self.write = (c[keep] for c in (self.lo, self.hi, self.uid, self.write))
+        self.lo = np.append(self.lo, lo)
+        self.hi = np.append(self.hi, hi)
+        self.uid = np.append(self.uid, uid)
+        self.write = np.append(self.write, is_write)
+
+
 class Graph:
     def __init__(self, nw: int, device):
         self.nw = nw
@@ -56,7 +83,8 @@ class Graph:
         self.groups: list[Group] = []
         self.events: list[Event] = []
         self.epoch = 0
-        self._accesses: dict[int, list] = {}   # tensor base ptr -> [(lo, hi, uid, is_write)]
+        self._accesses: dict = {}   # storage key -> _Accesses, for the current barrier epoch
+        self._accesses_epoch = 0
 
     # --- building ---------------------------------------------------------------------------
     def tensor(self, obj, name: str | None = None) -> Tensor:
@@ -169,28 +197,23 @@ class Graph:
 
     def _infer(self, inst: Instance) -> set:
         """Read-after-write, write-after-read and write-after-write dependencies on earlier instances
-        of this barrier epoch, by byte-range overlap. A write that covers earlier accesses retires
-        them: later accessors depend on the write, which already depends on them."""
+        of this barrier epoch, by byte-range overlap. Accesses are kept per storage allocation (views of
+        one allocation share a bucket; different allocations cannot overlap) as numpy columns. A write
+        that covers earlier accesses retires them: later accessors depend on the write, which already
+        depends on them."""
+        if self._accesses_epoch != self.epoch:      # a barrier orders everything before it
+            self._accesses, self._accesses_epoch = {}, self.epoch
         deps = set()
-        accesses = []
         for p in inst.type.params:
             if p.kind != "ptr":
                 continue
-            lo, hi = inst.params[p.name].byte_range
-            if p.reads:
-                accesses.append((lo, hi, False))
-            if p.writes:
-                accesses.append((lo, hi, True))
-        for lo, hi, is_write in accesses:
-            for plo, phi, puid, pwrite in self._accesses.get(self.epoch, []):
-                if plo < hi and lo < phi and (is_write or pwrite) and puid != inst.uid:
-                    deps.add(puid)
-        table = self._accesses.setdefault(self.epoch, [])
-        for lo, hi, is_write in accesses:
-            if is_write:
-                table[:] = [a for a in table if not (lo <= a[0] and a[1] <= hi)]
-            table.append((lo, hi, inst.uid, is_write))
-        self._accesses = {self.epoch: table}   # earlier epochs are ordered by the barrier
+            ref = inst.params[p.name]
+            lo, hi = ref.byte_range
+            bucket = self._accesses.setdefault(ref.tensor.storage_key, _Accesses())
+            for is_write in ((False,) if not p.writes else (True,) if not p.reads else (False, True)):
+                deps.update(bucket.conflicts(lo, hi, is_write))
+                bucket.add(lo, hi, inst.uid, is_write)
+        deps.discard(inst.uid)
         return deps
 
     def host_views(self, inst: Instance, host: dict) -> SimpleNamespace:

@@ -63,6 +63,8 @@ class Tensor:
         self.itemsize = DTYPES[self.dtype][2]
         self.nbytes = self.numel * self.itemsize
         self.ptr = data.data_ptr()
+        # views of one allocation share this key; distinct allocations can never overlap
+        self.storage_key = data.untyped_storage().data_ptr()
 
     def ref(self, offset: int = 0, count: int | None = None) -> "TensorRef":
         """A slice of `count` elements starting `offset` elements in (flat, row-major)."""
