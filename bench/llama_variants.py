@@ -1,6 +1,8 @@
 """Schedule/tiling variants of the Llama-1B megakernel, timed in one process on shared weights and KV.
-Each variant's logits after one step from the same state must equal the first variant's bit for bit
-(the variants reorder independent work only), else the variant is reported as WRONG and not timed.
+Before timing, each variant's logits after one step from the same state are checked against the first
+variant's: bit for bit where the variant only reorders independent work (exact=True), within the
+model's 3e-2 relative-error gate where it changes a reduction order (chunking, threads). A variant
+that fails is reported as WRONG and not timed.
 
     PYTHONPATH=. python bench/llama_variants.py [--steps 200] [--json out.json]
 """
@@ -17,12 +19,13 @@ from megart.bandwidth import read_floor, time_ms
 from megart.models import llama
 from megart.models.llama_config import make_kv_cache, make_weights
 
-VARIANTS = {
-    "explicit deps (call-level events)": dict(deps="explicit"),
-    "inferred deps (subset events)": dict(deps="infer"),
-    "inferred deps, 8 KV chunks/head": dict(deps="infer", tiles=dict(attn_chunks=8)),
-    "inferred deps, 512 threads": dict(deps="infer", threads=512),
+VARIANTS = {  # name -> (LlamaModel keyword arguments, exact)
+    "explicit deps (call-level events)": (dict(deps="explicit"), True),
+    "inferred deps (subset events)": (dict(deps="infer"), True),
+    "inferred deps, 8 KV chunks/head": (dict(deps="infer", tiles=dict(attn_chunks=8)), False),
+    "inferred deps, 512 threads": (dict(deps="infer", threads=512), False),
 }
+TOL = 3e-2
 
 
 def main(argv=None) -> int:
@@ -38,7 +41,7 @@ def main(argv=None) -> int:
     W, kv = make_weights(cfg, device="cuda"), make_kv_cache(cfg, device="cuda")
     floor_us = cfg.bytes_per_step() / floor["floor_bw"] * 1e6
     ref_logits, rows = None, []
-    for name, kw in VARIANTS.items():
+    for name, (kw, exact) in VARIANTS.items():
         try:
             m = llama.LlamaModel(cfg, W, kv, **kw)
             m.reset(cfg.prefill, 3)
@@ -47,7 +50,8 @@ def main(argv=None) -> int:
             logits = logits.clone()
             if ref_logits is None:
                 ref_logits = logits
-            same = torch.equal(logits, ref_logits)
+            err = llama.relerr(logits, ref_logits)
+            same = torch.equal(logits, ref_logits) if exact else err <= TOL
             us = None
             if same:
                 def one():
@@ -56,14 +60,15 @@ def main(argv=None) -> int:
                     m.step()
                 us = 1e3 * statistics.median(time_ms(one, iters=args.steps, warmup=5))
                 m.sync()
-            rows.append(dict(variant=name, us=us, x_floor=us / floor_us if us else None, bitwise_same=same))
+            rows.append(dict(variant=name, us=us, x_floor=us / floor_us if us else None, correct=same,
+                             exact=exact, relerr_vs_first=err))
         except Exception as exc:  # a variant that cannot build (e.g. registers) is reported, not fatal
             rows.append(dict(variant=name, us=None, error=f"{type(exc).__name__}: {exc}"[:200]))
         print(rows[-1], flush=True)
     print(f"\nLlama-1B bf16 2k, floor {floor_us:.0f} us at {floor['floor_bw'] / 1e12:.2f} TB/s")
     for r in rows:
         us = f"{r['us']:8.1f} us  {r['x_floor']:.3f} x floor" if r.get("us") else ("WRONG (logits differ)"
-                                                                                  if "bitwise_same" in r else r["error"])
+                                                                                  if "correct" in r else r["error"])
         print(f"  {r['variant']:<40} {us}")
     if args.json:
         json.dump(dict(floor=floor, rows=rows), open(args.json, "w"), indent=1)
