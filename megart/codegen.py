@@ -103,6 +103,9 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
     for rel in ("csrc/runtime.cuh", "csrc/tile_helpers.cuh"):
         text, path = read_source(rel, root)
         w.add(text, str(path))
+    for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared task headers, once each
+        text, path = read_source(rel, root)
+        w.add(text, str(path))
     for t in types:
         if t.id in registry.NO_BODY:
             continue

@@ -79,6 +79,7 @@ class TaskType:
     cost: Callable | None = None      # cost(**args) -> Cost for the whole call
     smem_bytes: int = 0               # dynamic shared memory one instance needs
     prefetch: bool = False            # source defines megart_prefetch_<name>(p) (weights to L2)
+    headers: tuple = ()               # shared device headers the body needs, emitted once per kernel
     doc: str = ""
     extra: dict = field(default_factory=dict, compare=False)
 

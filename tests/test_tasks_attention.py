@@ -332,14 +332,15 @@ def test_bad_shapes_are_refused():
 
 # --- sources, costs ---------------------------------------------------------------------------------------
 
-def test_shared_helper_block_is_identical():
-    blocks = []
-    for name in ("qkv_rope_append", "attention_decode", "attention_merge"):
-        src = (ROOT / "tasks" / f"{name}.cuh").read_text()
-        m = re.search(r"#ifndef MEGART_ATTN_COMMON.*?#endif  // MEGART_ATTN_COMMON", src, re.S)
-        assert m, name
-        blocks.append(m.group(0))
-    assert blocks[0] == blocks[1] == blocks[2]
+def test_shared_helpers_are_emitted_once():
+    """The attention bodies share tasks/attention_common.cuh, declared once and emitted once per kernel."""
+    from megart import codegen, registry
+    types = [registry.get(n) for n in ("qkv_rope_append", "attention_decode", "attention_merge")]
+    assert all(t.headers == ("tasks/attention_common.cuh",) for t in types)
+    src = codegen.generate(types, codegen.KernelConfig()).text
+    assert src.count("namespace megart_attn {\n// 16 bytes of a weight") == 1
+    for t in types:
+        assert "ld_weight16(const void*" not in (ROOT / t.source).read_text()
 
 
 def test_costs():

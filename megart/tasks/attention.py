@@ -157,6 +157,9 @@ def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, **_):
     return Cost(bytes=nbytes, flops=2 * wr.count)
 
 
+ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
+
+
 register(TaskType(
     name="qkv_rope_append", id=64,
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
@@ -164,7 +167,7 @@ register(TaskType(
             ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"),
             scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
             scalar("eps", "f32")),
-    source="tasks/qkv_rope_append.cuh", reference=_qkv_ref, split=_qkv_split, cost=_qkv_cost,
+    source="tasks/qkv_rope_append.cuh", headers=ATTENTION_HEADERS, reference=_qkv_ref, split=_qkv_split, cost=_qkv_cost,
     smem_bytes=SMEM_QKV, prefetch=True,
     doc="q, k, v = (rmsnorm(x)) @ w_qkv.T; rotate-half RoPE on q, k at the device position pos; "
         "k, v appended to the caches at row pos."), builtin=True)
@@ -280,7 +283,7 @@ register(TaskType(
             ptr("pos", "i32", "in"), ptr("part_o", "f32", "out"), ptr("part_ml", "f32", "out"),
             scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("max_seq"),
             scalar("scale", "f32")),
-    source="tasks/attention_decode.cuh", reference=_attn_ref, split=_attn_split, cost=_attn_cost,
+    source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS, reference=_attn_ref, split=_attn_split, cost=_attn_cost,
     smem_bytes=SMEM_ATTN,
     doc="Flash-decoding partials (m, l, unnormalised o) of one query token over one KV chunk of one kv "
         "head (GQA), kv_len = pos + 1 read on the device."), builtin=True)
@@ -341,6 +344,6 @@ register(TaskType(
     name="attention_merge", id=66,
     params=(ptr("out", "bf16", "out"), ptr("part_o", "f32", "in"), ptr("part_ml", "f32", "in"),
             scalar("nheads"), scalar("group"), scalar("hd"), scalar("chunks"), scalar("g0")),
-    source="tasks/attention_merge.cuh", reference=_merge_ref, split=_merge_split, cost=_merge_cost,
+    source="tasks/attention_merge.cuh", headers=ATTENTION_HEADERS, reference=_merge_ref, split=_merge_split, cost=_merge_cost,
     doc="out[q head] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c over the attention_decode chunks."),
     builtin=True)
