@@ -54,7 +54,7 @@ def read_floor(nbytes: int = 4 << 30, iters: int = 10, ctas: int | None = None) 
     cfg = LaunchConfig(grid=ctas or sms * 16, block=256)
     stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream)
     times = time_ms(lambda: launch(stream, cfg, kernel, buf.data_ptr(), np.uint64(n), sink.data_ptr()), iters)
-    del buf
+    buf = None  # free the 4 GiB before returning
     torch.cuda.empty_cache()
     ms = statistics.median(times)
     return {"floor_bw": nbytes / (ms * 1e-3), "floor_spread": (max(times) - min(times)) / ms,

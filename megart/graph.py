@@ -85,6 +85,8 @@ class Graph:
         self.epoch = 0
         self._accesses: dict = {}   # storage key -> _Accesses, for the current barrier epoch
         self._accesses_epoch = 0
+        self._weight_storages: dict = {}    # storage key -> a tensor name, for the weight/write check
+        self._written_storages: dict = {}
 
     # --- building ---------------------------------------------------------------------------
     def tensor(self, obj, name: str | None = None) -> Tensor:
@@ -121,6 +123,7 @@ class Graph:
             if not isinstance(ev, Event) or ev.index >= len(self.events) or self.events[ev.index] is not ev:
                 raise GraphError(f"{ttype.name}: waits/signals take events made by this kernel's event()")
         per_instance = self._split(ttype, tiles, args)
+        self._check_weights(ttype, per_instance)
         workers = self._workers(ttype, worker, len(per_instance))
         g = Group(len(self.groups), ttype, [], label or ttype.name)
         after_uids = set()
@@ -165,7 +168,9 @@ class Graph:
         out = {}
         for p in ttype.params:
             v = params[p.name]
-            if p.kind == "ptr":
+            if p.kind == "ptr" and v is None and p.optional:
+                out[p.name] = None        # absent optional operand: a null pointer, nothing to depend on
+            elif p.kind == "ptr":
                 ref = as_ref(v, p.name)
                 if ref.tensor.dtype != p.dtype:
                     raise GraphError(f"{ttype.name}: parameter {p.name!r} needs {p.dtype}, "
@@ -183,6 +188,22 @@ class Graph:
                 if not -lim <= out[p.name] < lim:
                     raise GraphError(f"{ttype.name}: parameter {p.name!r}={v} overflows {p.kind}")
         return out
+
+    def _check_weights(self, ttype: TaskType, per_instance: list) -> None:
+        """A "weight" may be read through the non-coherent path, so nothing in the kernel may write it."""
+        for params in per_instance:
+            for p in ttype.params:
+                if p.kind != "ptr" or params[p.name] is None or not (p.access == "weight" or p.writes):
+                    continue
+                t = params[p.name].tensor
+                mine, other = ((self._weight_storages, self._written_storages) if p.access == "weight"
+                               else (self._written_storages, self._weight_storages))
+                if t.storage_key in other:
+                    raise GraphError(
+                        f"{ttype.name}: tensor {t.name!r} ({p.name}) shares memory with a tensor that is "
+                        f"{'written' if p.access == 'weight' else 'read as a weight'} by another task; weights "
+                        f"must stay read-only for the whole kernel (use an 'in' parameter for data that changes)")
+                mine[t.storage_key] = t.name
 
     def _workers(self, ttype: TaskType, worker, n: int) -> list:
         if worker is None:
@@ -205,9 +226,9 @@ class Graph:
             self._accesses, self._accesses_epoch = {}, self.epoch
         deps = set()
         for p in inst.type.params:
-            if p.kind != "ptr":
-                continue
             ref = inst.params[p.name]
+            if p.kind != "ptr" or ref is None:
+                continue
             lo, hi = ref.byte_range
             bucket = self._accesses.setdefault(ref.tensor.storage_key, _Accesses())
             for is_write in ((False,) if not p.writes else (True,) if not p.reads else (False, True)):

@@ -44,6 +44,8 @@ def pack_descriptors(s: Schedule) -> tuple[np.ndarray, np.ndarray]:
                 v = inst.params[p.name]
                 if isinstance(v, TensorRef):
                     params[row, j] = v.address
+                elif v is None:
+                    params[row, j] = 0        # absent optional pointer
                 elif p.kind == "f32":
                     params[row, j] = struct.unpack("<i", struct.pack("<f", v))[0]
                 else:

@@ -31,6 +31,7 @@ class Param:
     kind: str                 # "ptr" | "i32" | "f32" | "i64"
     dtype: str | None = None  # element dtype of a pointer
     access: str | None = None  # "in" | "weight" | "out" | "inout" for pointers
+    optional: bool = False     # a pointer the splitter may leave None: packed as nullptr, no dependency
 
     @property
     def reads(self) -> bool:
@@ -53,8 +54,8 @@ class Param:
         return f"{ctype} {self.name}; int _pad_{self.name};"
 
 
-def ptr(name: str, dtype: str, access: str = "in") -> Param:
-    return Param(name, "ptr", dtype, access)
+def ptr(name: str, dtype: str, access: str = "in", optional: bool = False) -> Param:
+    return Param(name, "ptr", dtype, access, optional)
 
 
 def scalar(name: str, kind: str = "i32") -> Param:

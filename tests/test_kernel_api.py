@@ -94,3 +94,20 @@ def test_user_task_registration(tmp_path):
     k.compile()
     assert torch.equal(k.emulate()["y"], torch.arange(8.0) * 2)
     assert megart.registry.get(1001).name == "scale2"
+
+
+def test_a_weight_must_not_be_written(tmp_path):
+    k = pk()
+    w = k.tensor(torch.randn(64, 64).to(torch.bfloat16), "w")
+    x = k.tensor(torch.randn(64).to(torch.bfloat16), "x")
+    y = k.tensor(torch.zeros(64).to(torch.bfloat16), "y")
+    k.task("gemv_m1", y=y, w=w, x=x, tiles=2)
+    with pytest.raises(megart.GraphError, match="read-only"):
+        k.task("gemv_m1", y=w.ref(0, 64), w=w, x=x)       # writes a tensor another task reads as a weight
+    k2 = pk()
+    w2 = k2.tensor(torch.randn(64, 64).to(torch.bfloat16), "w")
+    x2 = k2.tensor(torch.randn(64).to(torch.bfloat16), "x")
+    y2 = k2.tensor(torch.zeros(64).to(torch.bfloat16), "y")
+    k2.task("silu_mul", h=w2.ref(0, 64), g=x2, u=x2)       # written first...
+    with pytest.raises(megart.GraphError, match="read-only"):
+        k2.task("gemv_m1", y=y2, w=w2, x=x2)               # ...then read as a weight

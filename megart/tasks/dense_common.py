@@ -1,5 +1,5 @@
 """Shared pieces of the dense decode task declarations (ids 16-63): argument checks, the flag bits
-the device bodies test, dummy pointers for absent optional operands, and the CPU mirror of the
+the device bodies test, and the CPU mirror of the
 device's x staging (RMSNorm prologue with bf16 rounding)."""
 from __future__ import annotations
 
@@ -50,12 +50,6 @@ def overlaps(a: TensorRef, b: TensorRef) -> bool:
 def disjoint(task: str, a: TensorRef, an: str, b: TensorRef, bn: str) -> None:
     require(not overlaps(a, b), task,
             f"{an} and {bn} overlap: every instance reads all of {bn} while others write their slice of {an}")
-
-
-def dummy(r: TensorRef) -> TensorRef:
-    """A stand-in pointer for an absent optional operand: the first element of a range the instance
-    already reads (or writes), so it adds no dependency. The body never dereferences it."""
-    return r.tensor.ref(r.offset, 1)
 
 
 def sub(r: TensorRef, lo: int, count: int) -> TensorRef:

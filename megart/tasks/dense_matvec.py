@@ -11,7 +11,7 @@ import torch
 
 from ..registry import Cost, TaskType, ptr, register, scalar
 from .dense_common import (FLAG_LOGITS, FLAG_NORM, FLAG_RESIDUAL, SCRATCH_BYTES, SOURCE, STAGE_SMEM, aligned,
-                           check_k, disjoint, dummy, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub)
+                           check_k, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub)
 from .tiling import even_tiles, require
 
 EXPERT_ROWS = 128   # group_gemm_m1: each expert's tile of `a` / `y` rows; row 0 of it is the live one
@@ -50,12 +50,11 @@ def _gemv_split(task, nw, tiles, y, w, x, residual, norm_weight, eps, scale=None
         sc = ref(task, scale, "scale")
         require(sc.count == n, task, f"scale has {sc.count} elements, y has {n} (one per output channel)")
     flags = (FLAG_RESIDUAL if res is not None else 0) | (FLAG_NORM if g is not None else 0)
-    stub = dummy(x)
     out = []
     for lo, hi in even_tiles(n, tiles, align=2):     # whole row pairs: a warp streams two rows at once
         inst = dict(y=sub(y, lo, hi - lo), w=sub(w, lo * k, (hi - lo) * k), x=x,
-                    residual=sub(res, lo, hi - lo) if res is not None else stub,
-                    norm_weight=g if g is not None else stub, n=hi - lo, k=k, flags=flags, eps=float(eps))
+                    residual=sub(res, lo, hi - lo) if res is not None else None,
+                    norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps))
         if sc is not None:
             inst["scale"] = sub(sc, lo, hi - lo)
         out.append(inst)
@@ -80,7 +79,7 @@ def _gemv_cost(y=None, w=None, x=None, residual=None, norm_weight=None, scale=No
 register(TaskType(
     name="gemv_m1", id=16,
     params=(ptr("y", "bf16", "out"), ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"),
-            ptr("residual", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
+            ptr("residual", "bf16", "in", optional=True), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
     source=SOURCE, reference=_gemv_ref,
     split=lambda nw, tiles=1, y=None, w=None, x=None, residual=None, norm_weight=None, eps=1e-5:
@@ -103,7 +102,7 @@ def _gemv_fp8_ref(p) -> None:
 register(TaskType(
     name="gemv_m1_fp8", id=24,
     params=(ptr("y", "bf16", "out"), ptr("w", "fp8e4m3", "weight"), ptr("scale", "f32", "weight"),
-            ptr("x", "bf16", "in"), ptr("residual", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
+            ptr("x", "bf16", "in"), ptr("residual", "bf16", "in", optional=True), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
     source=SOURCE, reference=_gemv_fp8_ref,
     split=lambda nw, tiles=1, y=None, w=None, scale=None, x=None, residual=None, norm_weight=None, eps=1e-5:
@@ -174,9 +173,8 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
         aligned(task, r, nm)
     disjoint(task, h, "h", x, "x")
     flags = FLAG_NORM if g is not None else 0
-    stub = dummy(x)
     return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
-                 x=x, norm_weight=g if g is not None else stub, n=hi - lo, k=k, flags=flags, eps=float(eps))
+                 x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps))
             for lo, hi in even_tiles(f, tiles)]
 
 
@@ -197,7 +195,7 @@ def _gate_up_cost(h=None, w_gate=None, w_up=None, x=None, norm_weight=None, **_)
 register(TaskType(
     name="gate_up_silu", id=18,
     params=(ptr("h", "bf16", "out"), ptr("w_gate", "bf16", "weight"), ptr("w_up", "bf16", "weight"),
-            ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
+            ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
     source=SOURCE, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
     smem_bytes=STAGE_SMEM, prefetch=True,
@@ -228,7 +226,7 @@ def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=
         val = sub(pv, i, 1)
         out.append(dict(w=sub(w, lo * k, (hi - lo) * k), x=x, part_val=val, part_idx=sub(pi, i, 1),
                         logits=sub(lg, lo, hi - lo) if lg is not None else val,
-                        norm_weight=g if g is not None else dummy(x),
+                        norm_weight=g,
                         n=hi - lo, k=k, row0=lo, flags=flags, eps=float(eps)))
     return out
 
@@ -255,7 +253,7 @@ def _lm_cost(w=None, x=None, part_val=None, part_idx=None, logits=None, norm_wei
 register(TaskType(
     name="lm_head_argmax", id=21,
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("part_val", "f32", "out"),
-            ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"), ptr("norm_weight", "bf16", "weight"),
+            ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),
     source=SOURCE, reference=_lm_ref, split=_lm_split, cost=_lm_cost, smem_bytes=STAGE_SMEM, prefetch=True,
     doc="LM head over vocab rows of W[V,d] (tied: the embedding table) with the final RMSNorm optionally "
