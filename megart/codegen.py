@@ -104,7 +104,7 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
         text, path = read_source(rel, root)
         w.add(text, str(path))
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared task headers, once each
-        text, path = read_source(rel, root)
+        text, path = read_source(overrides.get(rel, rel), root)
         w.add(text, str(path))
     for t in types:
         if t.id in registry.NO_BODY:

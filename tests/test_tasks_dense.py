@@ -1,7 +1,7 @@
 """Dense decode task types on the CPU. Each test builds a PersistentKernel(device="cpu"), compiles it
 with NVRTC for sm_90a (0 spill bytes), then runs it twice: the reference emulator (each task's Python
 reference, `emu`) and the host simulation of the CUDA bodies themselves (megart.tasks.dense_hostsim,
-`dev`: tasks/dense.cuh compiled with g++, one CTA as 256 fibers in random order). Both are gated
+`dev`: the dense bodies compiled with g++, one CTA as 256 fibers in random order). Both are gated
 against the fp32 whole-op references of megart.geometry.dense: cosine >= 0.99 AND relative error
 <= the per-task tolerance of docs/TASKS.md (tol >= 2x E, <= D/10), and against each other. Each
 test also recomputes D (the cheapest feature drop) and checks the tolerance would catch it. Bad
@@ -549,12 +549,15 @@ def test_cost_models():
     assert c.bytes == 3 * (n * k * 2 + k * 2 + n * 2)
 
 
-def _broken(tmp_path, old: str, new: str) -> str:
-    text = (megart.sources.source_root() / "tasks" / "dense.cuh").read_text()
-    assert text.count(old) == 1
-    p = tmp_path / "dense_broken.cuh"
-    p.write_text(text.replace(old, new))
-    return str(p)
+def _broken(tmp_path, old: str, new: str) -> dict:
+    """source_overrides for a copy of the one dense source holding `old` (a body: keyed by its task name;
+    the shared helpers: keyed by their path) with `old` replaced by `new`."""
+    hits = [f for f in sorted((megart.sources.source_root() / "tasks").glob("*.cuh")) if old in f.read_text()]
+    assert len(hits) == 1 and hits[0].read_text().count(old) == 1
+    p = tmp_path / hits[0].name
+    p.write_text(hits[0].read_text().replace(old, new))
+    key = "tasks/dense_common.cuh" if hits[0].name == "dense_common.cuh" else hits[0].stem
+    return {key: str(p)}
 
 
 def test_hostsim_catches_a_missing_syncthreads(tmp_path):
@@ -563,7 +566,7 @@ def test_hostsim_catches_a_missing_syncthreads(tmp_path):
                   "      xs[c] = pack8(f);\n    }\n  }\n}")
     n, k = 64, 512
     w, x = geo.dense_m1(n, k, seed=1)
-    pk = megart.PersistentKernel(nw=2, device="cpu", source_overrides={"gemv_m1": src})
+    pk = megart.PersistentKernel(nw=2, device="cpu", source_overrides=src)
     Y = pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y")
     pk.task("gemv_m1", y=Y, w=pk.tensor(w, "w"), x=pk.tensor(x, "x"), tiles=2)
     pk.compile()
@@ -575,7 +578,7 @@ def test_hostsim_catches_a_divergent_barrier(tmp_path):
     src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;\n  if (groups >= kWarps) {",
                   "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;\n  if (threadIdx.x == 3) return;\n"
                   "  if (groups >= kWarps) {")
-    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides={"gemv_m1": src})
+    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src)
     w, x = geo.dense_m1(16, 64, seed=1)
     pk.task("gemv_m1", y=pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
             x=pk.tensor(x, "x"))

@@ -6,7 +6,7 @@ A candidate may carry gate directives in comment lines (`// megart-faithful: ...
     // megart-faithful: include-baseline
         Paste the task type's in-tree source here (what `--baseline` compiles). Lets a candidate
         wrap or overload the in-tree body without copying it (so it cannot drift from it). Task
-        sources shared by several task types (tasks/dense.cuh) are include-guarded templates; a
+        bodies built on shared helpers (tasks/dense_common.cuh) are templates on their params struct; a
         non-template `megart_task_<name>(const megart_params_<name>&, char*)` defined after the
         paste wins overload resolution.
     // megart-faithful: include-baseline as=megart_task_axpy_base

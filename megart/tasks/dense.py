@@ -10,7 +10,7 @@
     23 group_gemm_m1   routed MoE expert GEMM, one live row per active expert
     24 gemv_m1_fp8     gemv_m1 with e4m3 weights and per-channel scales
 
-Declarations live in dense_matvec.py and dense_elementwise.py; every device body is in tasks/dense.cuh.
+Declarations live in dense_matvec.py and dense_elementwise.py; each device body is tasks/<name>.cuh, sharing tasks/dense_common.cuh.
 """
 from . import dense_elementwise  # noqa: F401
 from . import dense_matvec  # noqa: F401

@@ -8,9 +8,14 @@ import torch
 from ..tensors import TensorRef, as_ref
 from .tiling import require
 
-SOURCE = "tasks/dense.cuh"     # one include-guarded file holds every dense body (see its header)
+HEADERS = ("tasks/dense_common.cuh",)   # helpers every dense body uses, emitted once per kernel
 
-# flag bits, mirrored by megart::dense::kFlag* in tasks/dense.cuh
+
+def source(name: str) -> str:
+    """The device body of dense task type `name`: one file per type."""
+    return f"tasks/{name}.cuh"
+
+# flag bits, mirrored by megart::dense::kFlag* in tasks/dense_common.cuh
 FLAG_RESIDUAL = 1
 FLAG_NORM = 2
 FLAG_LOGITS = 4

@@ -1,11 +1,11 @@
 """Small dense decode tasks: standalone rmsnorm, silu_mul and embedding (token id read on the
-device, so the decode loop can feed the argmax back without the host). Bodies: tasks/dense.cuh."""
+device, so the decode loop can feed the argmax back without the host). Bodies: tasks/<name>.cuh."""
 from __future__ import annotations
 
 import torch
 
 from ..registry import Cost, TaskType, ptr, register, scalar
-from .dense_common import (SCRATCH_BYTES, SOURCE, aligned, disjoint, nbytes, overlaps, ref, shape_of, silu,
+from .dense_common import (source, SCRATCH_BYTES, HEADERS, aligned, disjoint, nbytes, overlaps, ref, shape_of, silu,
                            stage_x, sub)
 from .tiling import even_tiles, require
 
@@ -34,7 +34,7 @@ register(TaskType(
     name="rmsnorm", id=17,
     params=(ptr("y", "bf16", "out"), ptr("x", "bf16", "in"), ptr("w", "bf16", "weight"),
             scalar("n"), scalar("k"), scalar("off"), scalar("eps", "f32")),
-    source=SOURCE, reference=_rmsnorm_ref, split=_rmsnorm_split,
+    source=source("rmsnorm"), headers=HEADERS, reference=_rmsnorm_ref, split=_rmsnorm_split,
     cost=lambda y=None, x=None, w=None, **_: Cost(bytes=3 * nbytes(ref("cost", x, "x")),
                                                   flops=4 * ref("cost", x, "x").count),
     smem_bytes=SCRATCH_BYTES,
@@ -64,7 +64,7 @@ def _silu_mul_ref(p) -> None:
 register(TaskType(
     name="silu_mul", id=19,
     params=(ptr("h", "bf16", "out"), ptr("g", "bf16", "in"), ptr("u", "bf16", "in"), scalar("n")),
-    source=SOURCE, reference=_silu_mul_ref, split=_silu_mul_split,
+    source=source("silu_mul"), headers=HEADERS, reference=_silu_mul_ref, split=_silu_mul_split,
     cost=lambda h=None, **_: Cost(bytes=3 * nbytes(ref("cost", h, "h")), flops=5 * ref("cost", h, "h").count),
     doc="h = bf16(silu(g) * u) elementwise (fp32 math). h may be g or u itself."), builtin=True)
 
@@ -95,7 +95,7 @@ register(TaskType(
     name="embedding", id=20,
     params=(ptr("y", "bf16", "out"), ptr("table", "bf16", "weight"), ptr("token", "i32", "in"),
             scalar("n"), scalar("d"), scalar("col0"), scalar("vocab")),
-    source=SOURCE, reference=_embedding_ref, split=_embedding_split,
+    source=source("embedding"), headers=HEADERS, reference=_embedding_ref, split=_embedding_split,
     cost=lambda y=None, **_: Cost(bytes=2 * nbytes(ref("cost", y, "y")) + 4),
     doc="y[d] = table[token[0], :] with token an i32 device tensor of one element (clamped into "
         "[0, vocab)). Tiles over the row."), builtin=True)

@@ -1,4 +1,4 @@
-"""Run the dense tasks' CUDA bodies (tasks/dense.cuh) on the CPU, to check device code without a GPU.
+"""Run the dense tasks' CUDA bodies (tasks/<name>.cuh over tasks/dense_common.cuh) on the CPU, to check device code without a GPU.
 
 The reference emulator (PersistentKernel.emulate) runs each task's *Python* reference, so it proves
 the graph and the numerics plan but never executes a line of CUDA. This module compiles the device
@@ -236,6 +236,8 @@ def source(types: list, threads: int = 256, overrides: dict | None = None) -> st
     from ..codegen import params_struct     # (upward imports stay local: this module is a test tool)
     overrides = overrides or {}
     parts = [f"#define MEGART_THREADS {threads}\n", PRELUDE, layout_header()]
+    for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared headers once, as codegen does
+        parts.append(read_source(overrides.get(rel, rel))[0])
     seen = set()
     for t in types:
         parts.append(params_struct(t))
@@ -269,9 +271,9 @@ def hostsim_cache_dir() -> Path:
 
 
 def dense_types() -> list:
-    """Every registered task type whose body lives in the dense source file."""
-    from .dense_common import SOURCE
-    return [t for t in registry.all_types() if t.source == SOURCE]
+    """Every registered task type built on the dense helpers (tasks/dense_common.cuh)."""
+    from .dense_common import HEADERS
+    return [t for t in registry.all_types() if t.headers == HEADERS]
 
 
 def library(types: list | None = None, threads: int = 256, overrides: dict | None = None) -> ctypes.CDLL:
@@ -325,7 +327,8 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
         raise HostSimError("the host simulation runs CPU-device kernels (PersistentKernel(device='cpu'))")
     s = pk.schedule
     dense_ids = {t.id for t in dense_types()}
-    overrides = {k: v for k, v in pk.source_overrides.items() if k in {t.name for t in dense_types()}}
+    from .dense_common import HEADERS
+    overrides = {k: v for k, v in pk.source_overrides.items() if k in {t.name for t in dense_types()} | set(HEADERS)}
     lib = library(None, pk.threads, overrides)
     desc, _ = pack_descriptors(s)
     off = header_offsets()

@@ -1,5 +1,5 @@
 """Weight-streaming dense decode tasks (M = 1): gemv_m1, gemv_m1_fp8, group_gemm_m1, gate_up_silu,
-lm_head_argmax, and argmax_reduce that finishes the LM head. Device bodies: tasks/dense.cuh.
+lm_head_argmax, and argmax_reduce that finishes the LM head. Device bodies: tasks/<name>.cuh over tasks/dense_common.cuh.
 
 Each instance owns a contiguous block of output rows and streams exactly those weight rows; every
 instance stages the whole x (optionally RMS-normalised, which each CTA recomputes, so no grid
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Cost, TaskType, ptr, register, scalar
-from .dense_common import (FLAG_LOGITS, FLAG_NORM, FLAG_RESIDUAL, SCRATCH_BYTES, SOURCE, STAGE_SMEM, aligned,
+from .dense_common import (source, FLAG_LOGITS, FLAG_NORM, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS, STAGE_SMEM, aligned,
                            check_k, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub)
 from .tiling import even_tiles, require
 
@@ -81,7 +81,7 @@ register(TaskType(
     params=(ptr("y", "bf16", "out"), ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"),
             ptr("residual", "bf16", "in", optional=True), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
-    source=SOURCE, reference=_gemv_ref,
+    source=source("gemv_m1"), headers=HEADERS, reference=_gemv_ref,
     split=lambda nw, tiles=1, y=None, w=None, x=None, residual=None, norm_weight=None, eps=1e-5:
         _gemv_split("gemv_m1", nw, tiles, y, w, x, residual, norm_weight, eps),
     cost=_gemv_cost, smem_bytes=STAGE_SMEM, prefetch=True,
@@ -104,7 +104,7 @@ register(TaskType(
     params=(ptr("y", "bf16", "out"), ptr("w", "fp8e4m3", "weight"), ptr("scale", "f32", "weight"),
             ptr("x", "bf16", "in"), ptr("residual", "bf16", "in", optional=True), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
-    source=SOURCE, reference=_gemv_fp8_ref,
+    source=source("gemv_m1_fp8"), headers=HEADERS, reference=_gemv_fp8_ref,
     split=lambda nw, tiles=1, y=None, w=None, scale=None, x=None, residual=None, norm_weight=None, eps=1e-5:
         _gemv_split("gemv_m1_fp8", nw, tiles, y, w, x, residual, norm_weight, eps, scale=scale, w_elem=1),
     cost=_gemv_cost, smem_bytes=STAGE_SMEM, prefetch=True,
@@ -154,7 +154,7 @@ register(TaskType(
     name="group_gemm_m1", id=23,
     params=(ptr("y", "bf16", "out"), ptr("w", "bf16", "weight"), ptr("a", "bf16", "in"),
             scalar("n"), scalar("k")),
-    source=SOURCE, reference=_group_ref, split=_group_split, cost=_group_cost,
+    source=source("group_gemm_m1"), headers=HEADERS, reference=_group_ref, split=_group_split, cost=_group_cost,
     smem_bytes=STAGE_SMEM, prefetch=True,
     doc=f"Routed MoE expert GEMM in decode geometry: y[e*{EXPERT_ROWS}, :] = W[e] @ a[e*{EXPERT_ROWS}, :] for "
         "each expert e in `active` (build-time list); only the live row is computed, only active experts' "
@@ -197,7 +197,7 @@ register(TaskType(
     params=(ptr("h", "bf16", "out"), ptr("w_gate", "bf16", "weight"), ptr("w_up", "bf16", "weight"),
             ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
-    source=SOURCE, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
+    source=source("gate_up_silu"), headers=HEADERS, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
     smem_bytes=STAGE_SMEM, prefetch=True,
     doc="h[F] = silu(Wg[F,K] x) * (Wu[F,K] x), gate and up kept in fp32 registers (never stored); optional "
         "RMSNorm prologue as gemv_m1. Tiles over F."), builtin=True)
@@ -255,7 +255,7 @@ register(TaskType(
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("part_val", "f32", "out"),
             ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),
-    source=SOURCE, reference=_lm_ref, split=_lm_split, cost=_lm_cost, smem_bytes=STAGE_SMEM, prefetch=True,
+    source=source("lm_head_argmax"), headers=HEADERS, reference=_lm_ref, split=_lm_split, cost=_lm_cost, smem_bytes=STAGE_SMEM, prefetch=True,
     doc="LM head over vocab rows of W[V,d] (tied: the embedding table) with the final RMSNorm optionally "
         "fused: each instance writes its max logit and its row (ties: lowest) to part_val[i]/part_idx[i], "
         "and, if `logits` is given, the f32 logits of its rows. part_val/part_idx have one entry per "
@@ -280,7 +280,7 @@ def _argmax_ref(p) -> None:
 register(TaskType(
     name="argmax_reduce", id=22,
     params=(ptr("token", "i32", "out"), ptr("part_val", "f32", "in"), ptr("part_idx", "i32", "in"), scalar("n")),
-    source=SOURCE, reference=_argmax_ref, split=_argmax_split,
+    source=source("argmax_reduce"), headers=HEADERS, reference=_argmax_ref, split=_argmax_split,
     cost=lambda token=None, part_val=None, **_: Cost(bytes=8 * ref("cost", part_val, "part_val").count + 4),
     smem_bytes=SCRATCH_BYTES,
     doc="token[0] = part_idx[j] of the largest part_val[j] (ties: the lowest index; NaN counts as -inf). "

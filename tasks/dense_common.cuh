@@ -1,18 +1,18 @@
-// Dense decode task bodies (M = 1): gemv_m1, gemv_m1_fp8, gate_up_silu, group_gemm_m1,
-// lm_head_argmax, argmax_reduce, rmsnorm, silu_mul, embedding. Declared in megart/tasks/dense*.py.
+// Helpers shared by the dense decode task bodies (M = 1): vector loads (weights through the
+// non-coherent path, activations coherent), bf16/fp8 unpacking, x staging with the fused RMSNorm
+// prologue, the warp-per-row-pair matvec engine, block argmax. Declared as the shared header of every
+// dense task type (TaskType.headers), so codegen emits it once per kernel, before the bodies.
 //
-// Every dense task type names this one file as its source. codegen pastes a type's source after
-// that type's params struct, once per type, so the file is include-guarded (only the first paste
-// counts) and each body is a template on its params struct: the generated dispatch switch calls
-// megart_task_<name>(const megart_params_<name>&, char*) and the template is instantiated there,
-// where every struct exists. A non-template body of the same name (a candidate passed through
-// source_overrides) wins overload resolution over the template.
+// Each body (tasks/<name>.cuh) is a template on its params struct: the generated dispatch switch calls
+// megart_task_<name>(const megart_params_<name>&, char*) and instantiates it there. A non-template body
+// of the same name (a candidate passed through source_overrides after the in-tree one) wins overload
+// resolution over the template.
 //
 // Conventions: bf16 activations, fp32 accumulation, one bf16 rounding per output (after the
 // epilogue), normalised x rounded to bf16 before the dot (like torch's bf16 RMSNorm output).
 // Weights ("weight" params) are read with ld.global.nc; activations ("in" params) with plain loads.
-#ifndef MEGART_TASKS_DENSE_CUH
-#define MEGART_TASKS_DENSE_CUH
+#ifndef MEGART_TASKS_DENSE_COMMON_CUH
+#define MEGART_TASKS_DENSE_COMMON_CUH
 
 namespace megart {
 namespace dense {
@@ -267,207 +267,4 @@ __device__ __forceinline__ void block_argmax(float& bv, int& bi, float* scratch)
 }  // namespace dense
 }  // namespace megart
 
-// ---- gemv_m1: y[n] = W[n,k] @ norm?(x) (+ residual) ---------------------------------------------
-template <class P>
-__device__ __forceinline__ void megart_task_gemv_m1(const P& p, char* smem) {
-  using namespace megart;
-  using namespace megart::dense;
-  uint4* xs = xs_of(smem);
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
-  const bool res = p.flags & kFlagResidual;
-  const int lane = threadIdx.x & 31;
-  matvec<false>((p.n + 1) >> 1, p.k >> 3, xs, scratch_of(smem),
-                PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}, [&](int g, float a, float b) {
-                  const int r = 2 * g + lane;
-                  if (lane < 2 && r < p.n) {
-                    float v = lane ? b : a;
-                    if (res) v += __bfloat162float(p.residual[r]);
-                    p.y[r] = __float2bfloat16_rn(v);
-                  }
-                });
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prefetch_gemv_m1(const P& p) {
-  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
-}
-
-// ---- gemv_m1_fp8: y[n] = scale[n] * (W8[n,k] @ norm?(x)) (+ residual) ---------------------------
-template <class P>
-__device__ __forceinline__ void megart_task_gemv_m1_fp8(const P& p, char* smem) {
-  using namespace megart;
-  using namespace megart::dense;
-  uint4* xs = xs_of(smem);
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
-  const bool res = p.flags & kFlagResidual;
-  const int lane = threadIdx.x & 31;
-  matvec<true>((p.n + 1) >> 1, p.k >> 4, xs, scratch_of(smem),
-               PairRows{reinterpret_cast<const char*>(p.w), p.n, (long long)p.k}, [&](int g, float a, float b) {
-                 const int r = 2 * g + lane;
-                 if (lane < 2 && r < p.n) {
-                   float v = (lane ? b : a) * __ldg(p.scale + r);
-                   if (res) v += __bfloat162float(p.residual[r]);
-                   p.y[r] = __float2bfloat16_rn(v);
-                 }
-               });
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prefetch_gemv_m1_fp8(const P& p) {
-  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 1ull * p.n * p.k);
-}
-
-// ---- group_gemm_m1: the live row of one active expert, rows [n) of its W[e] ----------------------
-template <class P>
-__device__ __forceinline__ void megart_task_group_gemm_m1(const P& p, char* smem) {
-  using namespace megart;
-  using namespace megart::dense;
-  uint4* xs = xs_of(smem);
-  stage_x(p.a, nullptr, p.k, false, 0.f, xs, scratch_of(smem));
-  const int lane = threadIdx.x & 31;
-  matvec<false>((p.n + 1) >> 1, p.k >> 3, xs, scratch_of(smem),
-                PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}, [&](int g, float a, float b) {
-                  const int r = 2 * g + lane;
-                  if (lane < 2 && r < p.n) p.y[r] = __float2bfloat16_rn(lane ? b : a);
-                });
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prefetch_group_gemm_m1(const P& p) {
-  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
-}
-
-// ---- gate_up_silu: h[n] = silu(Wg x) * (Wu x); a group is (gate row r, up row r) ------------------
-template <class P>
-struct GateUpRows {
-  const P& p;
-  __device__ __forceinline__ void operator()(int g, const void* (&w)[2]) const {
-    w[0] = p.w_gate + (size_t)g * p.k;
-    w[1] = p.w_up + (size_t)g * p.k;
-  }
-};
-
-template <class P>
-__device__ __forceinline__ void megart_task_gate_up_silu(const P& p, char* smem) {
-  using namespace megart;
-  using namespace megart::dense;
-  uint4* xs = xs_of(smem);
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
-  const int lane = threadIdx.x & 31;
-  matvec<false>(p.n, p.k >> 3, xs, scratch_of(smem), GateUpRows<P>{p}, [&](int g, float gate, float up) {
-    if (lane == 0) p.h[g] = __float2bfloat16_rn(silu(gate) * up);
-  });
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prefetch_gate_up_silu(const P& p) {
-  if (threadIdx.x == 0) {
-    megart::dense::prefetch_head(p.w_gate, 2ull * p.n * p.k, megart::dense::kPrefetchBytes / 2);
-    megart::dense::prefetch_head(p.w_up, 2ull * p.n * p.k, megart::dense::kPrefetchBytes / 2);
-  }
-}
-
-// ---- lm_head_argmax: logits of vocab rows [row0, row0 + n), partial argmax -----------------------
-template <class P>
-__device__ __forceinline__ void megart_task_lm_head_argmax(const P& p, char* smem) {
-  using namespace megart;
-  using namespace megart::dense;
-  uint4* xs = xs_of(smem);
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
-  const bool store = p.flags & kFlagLogits;
-  const int lane = threadIdx.x & 31;
-  float bv = neg_inf();
-  int bi = kNoIndex;
-  matvec<false>((p.n + 1) >> 1, p.k >> 3, xs, scratch_of(smem),
-                PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}, [&](int g, float a, float b) {
-                  const int r = 2 * g;
-                  if (store && lane < 2 && r + lane < p.n) p.logits[r + lane] = lane ? b : a;
-                  a = nan_low(a);
-                  if (better(a, p.row0 + r, bv, bi)) { bv = a; bi = p.row0 + r; }
-                  if (r + 1 < p.n) {
-                    b = nan_low(b);
-                    if (better(b, p.row0 + r + 1, bv, bi)) { bv = b; bi = p.row0 + r + 1; }
-                  }
-                });
-  block_argmax(bv, bi, scratch_of(smem));
-  if (threadIdx.x == 0) {
-    p.part_val[0] = bv;
-    p.part_idx[0] = bi;
-  }
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prefetch_lm_head_argmax(const P& p) {
-  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
-}
-
-// ---- argmax_reduce: token = part_idx of the largest part_val (ties: lowest index) ----------------
-template <class P>
-__device__ __forceinline__ void megart_task_argmax_reduce(const P& p, char* smem) {
-  using namespace megart;
-  using namespace megart::dense;
-  float bv = neg_inf();
-  int bi = kNoIndex;
-  for (int i = threadIdx.x; i < p.n; i += MEGART_THREADS) {
-    const float v = nan_low(p.part_val[i]);
-    const int id = p.part_idx[i];
-    if (better(v, id, bv, bi)) { bv = v; bi = id; }
-  }
-  block_argmax(bv, bi, scratch_of(smem));
-  if (threadIdx.x == 0) p.token[0] = bi;
-}
-
-// ---- rmsnorm: y[n] = bf16(x[off + i] * rsqrt(mean(x^2) + eps) * w[i]), x reduced whole ----------
-template <class P>
-__device__ __forceinline__ void megart_task_rmsnorm(const P& p, char* smem) {
-  using namespace megart;
-  using namespace megart::dense;
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < (p.k >> 3); c += MEGART_THREADS) {
-    float f[8];
-    unpack8(ld_act(p.x + 8 * c), f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
-  }
-  const float rstd = rsqrtf(block_sum(ss, scratch_of(smem)) / (float)p.k + p.eps);
-  for (int c = threadIdx.x; c < (p.n >> 3); c += MEGART_THREADS) {
-    float f[8], h[8];
-    unpack8(ld_act(p.x + p.off + 8 * c), f);
-    unpack8(ld_weight(p.w + 8 * c), h);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = f[i] * rstd * h[i];
-    *reinterpret_cast<uint4*>(p.y + 8 * c) = pack8(f);
-  }
-}
-
-// ---- silu_mul: h = bf16(silu(g) * u), elementwise -------------------------------------------------
-template <class P>
-__device__ __forceinline__ void megart_task_silu_mul(const P& p, char*) {
-  using namespace megart;
-  using namespace megart::dense;
-  const int nc = p.n >> 3;
-  for (int c = threadIdx.x; c < nc; c += MEGART_THREADS) {
-    float g[8], u[8];
-    unpack8(ld_act(p.g + 8 * c), g);
-    unpack8(ld_act(p.u + 8 * c), u);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) g[i] = silu(g[i]) * u[i];
-    *reinterpret_cast<uint4*>(p.h + 8 * c) = pack8(g);
-  }
-  for (int i = 8 * nc + threadIdx.x; i < p.n; i += MEGART_THREADS)
-    p.h[i] = __float2bfloat16_rn(silu(__bfloat162float(p.g[i])) * __bfloat162float(p.u[i]));
-}
-
-// ---- embedding: y[n] = table[token[0], col0 : col0 + n] (token clamped into [0, vocab)) -----------
-template <class P>
-__device__ __forceinline__ void megart_task_embedding(const P& p, char*) {
-  using namespace megart;
-  using namespace megart::dense;
-  int tok = p.token[0];
-  tok = tok < 0 ? 0 : (tok >= p.vocab ? p.vocab - 1 : tok);
-  const __nv_bfloat16* src = p.table + (size_t)tok * p.d + p.col0;
-  for (int c = threadIdx.x; c < (p.n >> 3); c += MEGART_THREADS)
-    *reinterpret_cast<uint4*>(p.y + 8 * c) = ld_weight(src + 8 * c);
-}
-
-#endif  // MEGART_TASKS_DENSE_CUH
+#endif  // MEGART_TASKS_DENSE_COMMON_CUH

@@ -1,0 +1,30 @@
+// gate_up_silu: h[n] = silu(Wg x) * (Wu x); a group is (gate row r, up row r)
+// (helpers: tasks/dense_common.cuh)
+template <class P>
+struct GateUpRows {
+  const P& p;
+  __device__ __forceinline__ void operator()(int g, const void* (&w)[2]) const {
+    w[0] = p.w_gate + (size_t)g * p.k;
+    w[1] = p.w_up + (size_t)g * p.k;
+  }
+};
+
+template <class P>
+__device__ __forceinline__ void megart_task_gate_up_silu(const P& p, char* smem) {
+  using namespace megart;
+  using namespace megart::dense;
+  uint4* xs = xs_of(smem);
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const int lane = threadIdx.x & 31;
+  matvec<false>(p.n, p.k >> 3, xs, scratch_of(smem), GateUpRows<P>{p}, [&](int g, float gate, float up) {
+    if (lane == 0) p.h[g] = __float2bfloat16_rn(silu(gate) * up);
+  });
+}
+
+template <class P>
+__device__ __forceinline__ void megart_prefetch_gate_up_silu(const P& p) {
+  if (threadIdx.x == 0) {
+    megart::dense::prefetch_head(p.w_gate, 2ull * p.n * p.k, megart::dense::kPrefetchBytes / 2);
+    megart::dense::prefetch_head(p.w_up, 2ull * p.n * p.k, megart::dense::kPrefetchBytes / 2);
+  }
+}

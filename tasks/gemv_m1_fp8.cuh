@@ -1,0 +1,25 @@
+// gemv_m1_fp8: y[n] = scale[n] * (W8[n,k] @ norm?(x)) (+ residual)
+// (helpers: tasks/dense_common.cuh)
+template <class P>
+__device__ __forceinline__ void megart_task_gemv_m1_fp8(const P& p, char* smem) {
+  using namespace megart;
+  using namespace megart::dense;
+  uint4* xs = xs_of(smem);
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const bool res = p.flags & kFlagResidual;
+  const int lane = threadIdx.x & 31;
+  matvec<true>((p.n + 1) >> 1, p.k >> 4, xs, scratch_of(smem),
+               PairRows{reinterpret_cast<const char*>(p.w), p.n, (long long)p.k}, [&](int g, float a, float b) {
+                 const int r = 2 * g + lane;
+                 if (lane < 2 && r < p.n) {
+                   float v = (lane ? b : a) * __ldg(p.scale + r);
+                   if (res) v += __bfloat162float(p.residual[r]);
+                   p.y[r] = __float2bfloat16_rn(v);
+                 }
+               });
+}
+
+template <class P>
+__device__ __forceinline__ void megart_prefetch_gemv_m1_fp8(const P& p) {
+  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 1ull * p.n * p.k);
+}

@@ -1,0 +1,34 @@
+// lm_head_argmax: logits of vocab rows [row0, row0 + n), partial argmax
+// (helpers: tasks/dense_common.cuh)
+template <class P>
+__device__ __forceinline__ void megart_task_lm_head_argmax(const P& p, char* smem) {
+  using namespace megart;
+  using namespace megart::dense;
+  uint4* xs = xs_of(smem);
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const bool store = p.flags & kFlagLogits;
+  const int lane = threadIdx.x & 31;
+  float bv = neg_inf();
+  int bi = kNoIndex;
+  matvec<false>((p.n + 1) >> 1, p.k >> 3, xs, scratch_of(smem),
+                PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}, [&](int g, float a, float b) {
+                  const int r = 2 * g;
+                  if (store && lane < 2 && r + lane < p.n) p.logits[r + lane] = lane ? b : a;
+                  a = nan_low(a);
+                  if (better(a, p.row0 + r, bv, bi)) { bv = a; bi = p.row0 + r; }
+                  if (r + 1 < p.n) {
+                    b = nan_low(b);
+                    if (better(b, p.row0 + r + 1, bv, bi)) { bv = b; bi = p.row0 + r + 1; }
+                  }
+                });
+  block_argmax(bv, bi, scratch_of(smem));
+  if (threadIdx.x == 0) {
+    p.part_val[0] = bv;
+    p.part_idx[0] = bi;
+  }
+}
+
+template <class P>
+__device__ __forceinline__ void megart_prefetch_lm_head_argmax(const P& p) {
+  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
+}
