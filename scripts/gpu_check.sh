@@ -12,3 +12,7 @@ echo "GPU tests exit: ${PIPESTATUS[0]}"
 if [ -z "${SKIP_BENCH:-}" ]; then
   python3 bench/runtime_bench.py --json "$OUT/runtime.json" 2>&1 | tee "$OUT/runtime_bench.log"
 fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+  python3 bench/tasks_bench.py --json "$OUT/tasks.json" 2>&1 | tee "$OUT/tasks_bench.log"
+  python3 bench/llama_decode.py --out "$OUT/llama_decode" 2>&1 | tee "$OUT/llama_decode.log" | tail -8
+fi

@@ -1,0 +1,137 @@
+"""Each decode task inside the megakernel at the production grid, next to the read floor measured in
+this run and next to the torch/cuBLAS op doing the same work captured in a CUDA graph.
+
+    PYTHONPATH=. python bench/tasks_bench.py [--steps 20] [--json out.json]
+
+megart: the task's profiled wall span (median over --steps steps) per call; the weights of several
+calls are rotated through >= 120 MB so no call reads another's bytes from L2. torch: the same calls
+(F.linear, or SDPA with GQA over the first kv_len positions) captured once in a CUDA graph and replayed,
+CUDA events around each replay, median. Targets (issue 3): gemv_m1 8192x2048 and 2048x8192 >= 0.85 of the
+floor by wall, the 128256x2048 LM head >= 0.90, attention >= 0.80 of its KV-bytes floor.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import megart
+from megart.bandwidth import read_floor, time_ms
+from megart.geometry.attention import attention_m1, attention_scratch
+from megart.tasks.attention import attention_chunks
+
+GEMV_CASES = [("gemv_m1", 8192, 2048, 0.85), ("gemv_m1", 2048, 8192, 0.85), ("lm_head_argmax", 128256, 2048, 0.90)]
+ATTN_CASES = [(2048, 0.80), (32768, 0.80)]          # kv_len; Llama-1B heads: 32 q / 8 kv, hd 64
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, -(-(120 << 20) // nbytes))
+
+
+def _graph_ms(calls, steps: int) -> float:
+    """Median ms of one replay of a CUDA graph holding `calls` (each a no-argument torch op)."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for c in calls:          # warm up outside the capture (cuBLAS handles, workspaces)
+            c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for c in calls:
+            c()
+    return statistics.median(time_ms(g.replay, iters=steps, warmup=3))
+
+
+def gemv_case(task: str, n: int, k: int, steps: int) -> dict:
+    copies = _copies(n * k * 2)
+    pk = megart.PersistentKernel(profile=True, profile_steps=steps)
+    nw = pk.nw
+    x = torch.randn(k, device="cuda").to(torch.bfloat16)
+    X = pk.tensor(x, "x")
+    ws, ys = [], []
+    for c in range(copies):
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        ws.append(w)
+        W = pk.tensor(w, f"w{c}")
+        if task == "gemv_m1":
+            ys.append(torch.zeros(n, dtype=torch.bfloat16, device="cuda"))
+            pk.task(task, y=pk.tensor(ys[-1], f"y{c}"), w=W, x=X, tiles=nw)
+        else:
+            pk.task(task, w=W, x=X, part_val=pk.tensor(torch.zeros(nw, device="cuda"), f"pv{c}"),
+                    part_idx=pk.tensor(torch.zeros(nw, dtype=torch.int32, device="cuda"), f"pi{c}"), tiles=nw)
+    pk.compile()
+    pk(3)
+    if task == "gemv_m1":       # correct before timed
+        ref = (ws[0].float() @ x.float())
+        err = float((ys[0].float() - ref).norm() / ref.norm())
+        assert err < 1e-2, f"{task} {n}x{k}: relerr {err}"
+    pk.reset_profile(steps)
+    pk(steps)
+    wall_us = pk.profile().by_task(task).wall.median / copies / 1e3
+    xs = x.view(1, k)
+    torch_ms = _graph_ms([lambda w=w: F.linear(xs, w) for w in ws], steps) / copies
+    return dict(case=f"{task} {n}x{k}", bytes=n * k * 2, megart_us=wall_us, torch_us=torch_ms * 1e3, copies=copies)
+
+
+def attention_case(kv_len: int, steps: int, n_q=32, n_kv=8, hd=64) -> dict:
+    max_seq = kv_len
+    copies = _copies(2 * n_kv * kv_len * hd * 2)
+    pk = megart.PersistentKernel(profile=True, profile_steps=steps)
+    chunks = attention_chunks(n_kv, max_seq, pk.nw)
+    pos = pk.tensor(torch.full((1,), kv_len - 1, dtype=torch.int32, device="cuda"), "pos")
+    caches = []
+    for c in range(copies):
+        q, k, v = (t.cuda() for t in attention_m1(n_q, n_kv, hd, kv_len, max_seq, seed=c))
+        caches.append((q, k, v))
+        po, pm = attention_scratch(n_q, n_kv, hd, chunks, device="cuda")
+        Q, K, V = pk.tensor(q, f"q{c}"), pk.tensor(k, f"k{c}"), pk.tensor(v, f"v{c}")
+        PO, PM = pk.tensor(po, f"po{c}"), pk.tensor(pm, f"pm{c}")
+        pk.task("attention_decode", q=Q, k_cache=K, v_cache=V, pos=pos, part_o=PO, part_ml=PM, n_q=n_q, n_kv=n_kv,
+                hd=hd, max_seq=max_seq, chunks=chunks, tiles=chunks * n_kv)
+        pk.task("attention_merge", out=pk.tensor(torch.zeros(n_q * hd, dtype=torch.bfloat16, device="cuda"), f"o{c}"),
+                part_o=PO, part_ml=PM, n_q=n_q, n_kv=n_kv, hd=hd, chunks=chunks, tiles=n_q)
+    pk.compile()
+    pk(3)
+    pk.reset_profile(steps)
+    pk(steps)
+    prof = pk.profile()
+    wall_us = (prof.by_task("attention_decode").wall.median + prof.by_task("attention_merge").wall.median) / copies / 1e3
+    calls = [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q.view(1, n_q, 1, hd), k.view(1, n_kv, kv_len, hd),
+                                                                  v.view(1, n_kv, kv_len, hd), enable_gqa=True)
+             for q, k, v in caches]
+    torch_ms = _graph_ms(calls, steps) / copies
+    return dict(case=f"attention kv {kv_len}", bytes=2 * n_kv * kv_len * hd * 2, megart_us=wall_us,
+                torch_us=torch_ms * 1e3, copies=copies)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tasks_bench needs a CUDA device", file=sys.stderr)
+        return 2
+    floor = read_floor()
+    bw = floor["floor_bw"]
+    rows = [dict(gemv_case(t, n, k, args.steps), target=tg) for t, n, k, tg in GEMV_CASES]
+    rows += [dict(attention_case(L, args.steps), target=tg) for L, tg in ATTN_CASES]
+    print(f"\nread floor {bw / 1e12:.2f} TB/s ({floor['floor_method']}); per call, medians")
+    print(f"{'case':28s} {'MB':>7s} {'floor us':>8s} {'megart us':>9s} {'of floor':>8s} {'torch graph us':>14s} "
+          f"{'of floor':>8s} {'target':>6s}")
+    for r in rows:
+        f_us = r["bytes"] / bw * 1e6
+        r.update(floor_us=f_us, megart_of_floor=f_us / r["megart_us"], torch_of_floor=f_us / r["torch_us"])
+        print(f"{r['case']:28s} {r['bytes'] / 1e6:7.1f} {f_us:8.1f} {r['megart_us']:9.1f} {r['megart_of_floor']:8.2f} "
+              f"{r['torch_us']:14.1f} {r['torch_of_floor']:8.2f} {r['target']:6.2f}")
+    if args.json:
+        json.dump(dict(floor=floor, rows=rows), open(args.json, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
