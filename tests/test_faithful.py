@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+import megart
+
 from megart.faithful import codes
 from megart.faithful import compare as cmp
 from megart.faithful import gates
@@ -545,7 +547,7 @@ def fake_gpu(monkeypatch):
 
     for name, fn in (("launch", launch), ("check", check), ("reset_profile", reset_profile), ("profile", profile)):
         monkeypatch.setattr(PersistentKernel, name, fn)
-    monkeypatch.setattr(run, "DEVICE", "cpu")
+    monkeypatch.setattr(run, "BUILD_DEVICE", "cpu")
     monkeypatch.setattr(run, "gpu_usable", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -634,3 +636,12 @@ def test_timed_model_context_simulated(fake_gpu, tmp_path, capsys):
         assert r["correctness"]["pass"] and r["correctness"]["model"]["available"]
         assert r["calls_under_test"][0].startswith("L0.")
     assert "correctness in context: cos 1.000000" in out
+
+
+def test_device_failures_carry_the_device_exit_code():
+    """The timed path's build device and the DEVICE exit code are different names (one shadowed the other)."""
+    from megart.faithful import codes, run
+    assert run.BUILD_DEVICE == "cuda"
+    assert run.DEVICE == codes.DEVICE == 10
+    assert run.classify(megart.HangError("stuck")).code == codes.DEVICE
+    assert run.classify(megart.DeviceError("gone")).code == codes.DEVICE

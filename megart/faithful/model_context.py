@@ -221,7 +221,7 @@ class LlamaContext:
         from .stats import pool_runs, task_timings
         cfg_m = self.config()
         t0 = time.monotonic()
-        m = self.build_model(p, nw, p.cfg.iters, run.DEVICE, cfg_m)
+        m = self.build_model(p, nw, p.cfg.iters, run.BUILD_DEVICE, cfg_m)
         info = kernel_info(SimpleNamespace(pk=m.pk))
         say(f"{self.name}: {m.describe()} (built and compiled in {time.monotonic() - t0:.1f} s)")
         say(ptxas_text(info, nw))
@@ -330,7 +330,7 @@ class LlamaContext:
         say(f"{self.name}: {m.describe()} (compile-only build in {time.monotonic() - t0:.1f} s)")
         say(ptxas_text(info, nw))
         shapes = self.calls_by_shape(p, m)
-        say(f"calls under test: " + "; ".join(f"{p.spec.shape_str(s)}: {len(v)} calls ({v[0][0]}, ...)"
+        say("calls under test: " + "; ".join(f"{p.spec.shape_str(s)}: {len(v)} calls ({v[0][0]}, ...)"
                                                for s, v in shapes.items()))
         small = config("tiny")
         if cfg_m.name != small.name:

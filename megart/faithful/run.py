@@ -25,7 +25,7 @@ from .stats import pool_runs, task_timings
 
 COS_MIN = 0.99
 SCHEMA = 1
-DEVICE = "cuda"     # where the timed path builds (tests swap in "cpu" with a simulated kernel)
+BUILD_DEVICE = "cuda"   # where the timed path builds (tests swap in "cpu" with a simulated kernel)
 
 
 @dataclass
@@ -293,7 +293,7 @@ def gpu_point(p: Prepared, nw: int, floor: dict, say) -> dict:
     cfg = p.cfg
     runs, pristine, rec = [], None, None
     for r in range(cfg.repeats):
-        b = build(p, nw, DEVICE, profile=True, iters=cfg.iters,
+        b = build(p, nw, BUILD_DEVICE, profile=True, iters=cfg.iters,
                   inputs=None if pristine is None else fresh_inputs(pristine))
         if pristine is None and cfg.repeats > 1:
             pristine = fresh_inputs(b.inputs)    # the steps below update outputs (and inout inputs) in place
