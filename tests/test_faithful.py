@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import megart
+import megart.bandwidth
 
 from megart.faithful import codes
 from megart.faithful import compare as cmp
@@ -553,7 +554,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: type("P", (), {"name": "simulated H200", "multi_processor_count": 132})())
-    monkeypatch.setattr(floor, "read_floor", lambda dev, **k: {"floor_bw": TOTAL_BW, "floor_method": "simulated",
+    monkeypatch.setattr(megart.bandwidth, "read_floor", lambda **k: {"floor_bw": TOTAL_BW, "floor_method": "simulated",
                                                                "floor_spread": 0.0})
     monkeypatch.setattr(floor, "L2Flush", lambda dev, **k: (lambda: None))
     monkeypatch.setattr(lock, "other_gpu_processes", lambda *a: [{"pid": 4242, "name": "intruder",

@@ -157,7 +157,7 @@ def test_qkv_partition_mode_matches():
     sh, ms, pos = SHAPES[64], 512, 300
     pk = megart.PersistentKernel(nw=NW, device="cpu")
     t, r = build_qkv(pk, sh, ms, pos, kv_refs="partition")
-    C = build_attention(pk, t, sh, ms)
+    build_attention(pk, t, sh, ms)
     compiled(pk)
     outs = [pk.emulate(seed=s) for s in range(3)]
     q_ref, k_ref, v_ref = r["ref"]

@@ -176,7 +176,7 @@ def run_gate(args) -> int:
 
 def _gpu_runs(args, p, ctx, workers) -> int:
     import torch
-    from .floor import read_floor
+    from ..bandwidth import read_floor
     from .lock import GpuLock, other_gpu_processes
     from .run import format_table, gpu_points
     cfg = p.cfg
@@ -192,10 +192,10 @@ def _gpu_runs(args, p, ctx, workers) -> int:
             _warn("other processes are using this GPU while the gate times (numbers may be disturbed): "
                   + "; ".join(f"pid {o['pid']} {o['name']} ({o['used_memory_mib']} MiB)" for o in others))
         try:
-            floor = read_floor(torch.device("cuda", dev_index))
+            floor = read_floor()
             _say(f"read floor: {floor['floor_bw'] / 1e12:.3f} TB/s ({floor['floor_method']}, spread "
                  f"{floor['floor_spread'] * 100:.1f}%)")
-        except Exception as exc:          # e.g. not enough free memory for the 2 GiB buffer
+        except Exception as exc:          # e.g. not enough free memory for the 4 GiB buffer
             floor = {}
             _warn(f"the read floor could not be measured ({type(exc).__name__}: {exc}); results carry no x floor")
         bar = _progress(points, workers is not None)

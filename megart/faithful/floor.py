@@ -1,10 +1,6 @@
-"""The read-bandwidth floor, measured in the same run as the gate (CALIBRATION.md: absolute figures
-drift between machines and runs; compare against what this GPU reads right now).
-
-Method: megart.bandwidth.read_floor, a 16-byte vector-load kernel over 4 GiB of random data (the
-method CALIBRATION.md's 4.53 TB/s came from), median of 10. The method is recorded in every result.
-
-Also here: the L2 flush between timed steps. Weights of one decode task (8-32 MB) fit in the H200's
+"""The L2 flush between timed steps. (The read floor the gate compares with is measured in the same
+run by megart.bandwidth.read_floor: 16-byte loads over 4 GiB of random data, the method CALIBRATION.md's
+4.53 TB/s came from; its method is recorded in every result.) Weights of one decode task (8-32 MB) fit in the H200's
 60 MB L2, so timing the same task step after step would read them from L2 and beat HBM. In a real
 decode step every weight is cold (the whole model streams through L2 between two uses), so by
 default the gate reads a 256 MiB buffer between steps. The flush runs between launches, outside
@@ -12,14 +8,7 @@ every span, and never enters a measured number.
 """
 from __future__ import annotations
 
-import statistics
-
 FLUSH_BYTES = 256 << 20
-
-
-def read_floor(device=None) -> dict:
-    from ..bandwidth import read_floor as measure
-    return measure()
 
 
 class L2Flush:
