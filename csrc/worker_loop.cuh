@@ -2,6 +2,9 @@
 // waits on the instance's events (acquire), the whole CTA runs the body, then thread 0 counts the
 // instance's events up (release). Included after the generated megart_dispatch/megart_prefetch.
 //
+// A task type with a prewait (dense GEMVs: weights into a shared-memory ring) starts loads that need no
+// input before the wait, and drains them after its body, so the next instance finds shared memory idle.
+//
 // Descriptors rotate through three shared-memory slots: while instance i runs, instance i+1 is
 // already staged (its weights were handed to the L2 prefetcher before i's wait) and instance i+2's
 // descriptor is in flight from global memory, so no body and no wait starts on a global load.
@@ -45,6 +48,7 @@ __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const
     if (threadIdx.x < kDescWords && i + 2 < q1)
       ahead = reinterpret_cast<const unsigned long long*>(descs + i + 2)[threadIdx.x];
     if (i + 1 < q1) megart_prefetch(s_desc[nxt]);
+    megart_prewait(d, smem);  // loads that need no input (weights into shared memory) start before the wait
     unsigned long long t_wait = 0, t_begin = 0;
     if (threadIdx.x == 0) {
 #ifdef MEGART_PROFILE
@@ -61,6 +65,7 @@ __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const
     }
     __syncthreads();
     if (!s_go) {
+      megart_drain(d, smem);  // no copy may still be landing in shared memory when the CTA exits
       ok = false;
       break;
     }
@@ -68,6 +73,7 @@ __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const
     if (threadIdx.x == 0) t_begin = globaltimer();
 #endif
     megart_dispatch(d, smem);
+    megart_drain(d, smem);
     if (threadIdx.x < kDescWords && i + 2 < q1) reinterpret_cast<unsigned long long*>(&s_desc[nxt2])[threadIdx.x] = ahead;
     __syncthreads();
     if (threadIdx.x == 0) {

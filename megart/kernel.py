@@ -99,8 +99,14 @@ class PersistentKernel:
     def task_types(self) -> list:
         return sorted({i.type.id: i.type for i in self.graph.instances}.values(), key=lambda t: t.id)
 
+    def kernel_config(self) -> codegen.KernelConfig:
+        """What the generated source is specialised on (CTA size, CTAs per SM, profiling, macros)."""
+        return codegen.KernelConfig(threads=self.threads, profile=self.profiling,
+                                    min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=self.defines)
+
     def smem_bytes(self) -> int:
-        return max([t.smem_bytes for t in self.task_types] + [0])
+        cfg = self.kernel_config()
+        return max([t.shared_bytes(cfg) for t in self.task_types] + [0])
 
     def compile(self, verify: bool = True) -> "PersistentKernel":
         """Schedule, verify (unless told not to: tests of the watchdog), generate, compile and, on a
@@ -108,9 +114,7 @@ class PersistentKernel:
         schedule = build(self.graph)
         if verify:
             _verify(schedule)
-        min_blocks = max(1, math.ceil(self.nw / self.sm_count))
-        cfg = codegen.KernelConfig(threads=self.threads, profile=self.profiling, min_blocks=min_blocks,
-                                   defines=self.defines)
+        cfg = self.kernel_config()
         self.source = codegen.generate(self.task_types, cfg, self.source_overrides)
         self.compiled = compile_source(self.source, self.arch)
         r = self.compiled.report

@@ -80,6 +80,11 @@ class TaskType:
     cost: Callable | None = None      # cost(**args) -> Cost for the whole call
     smem_bytes: int = 0               # dynamic shared memory one instance needs
     prefetch: bool = False            # source defines megart_prefetch_<name>(p) (weights to L2)
+    prewait: bool = False             # source defines megart_prewait_<name>(p, smem), run before the
+    #                                   instance's waits (loads that need no input), and
+    #                                   megart_drain_<name>(p, smem), run after the body or an abort
+    smem_for: Callable | None = None  # smem_for(cfg) -> bytes, when it depends on the kernel config
+    defines_for: Callable | None = None   # defines_for(cfg) -> {macro: value} this type's source needs
     headers: tuple = ()               # shared device headers the body needs, emitted once per kernel
     doc: str = ""
     extra: dict = field(default_factory=dict, compare=False)
@@ -95,6 +100,18 @@ class TaskType:
     @property
     def prefetch_name(self) -> str:
         return f"megart_prefetch_{self.name}"
+
+    @property
+    def prewait_name(self) -> str:
+        return f"megart_prewait_{self.name}"
+
+    @property
+    def drain_name(self) -> str:
+        return f"megart_drain_{self.name}"
+
+    def shared_bytes(self, cfg) -> int:
+        """Dynamic shared memory one instance needs in a kernel built with `cfg` (codegen.KernelConfig)."""
+        return int(self.smem_for(cfg)) if self.smem_for else self.smem_bytes
 
     def param(self, name: str) -> Param:
         for p in self.params:

@@ -181,6 +181,238 @@ __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs,
   }
 }
 
+// ---- weight ring: TMA bulk copies of weight stages into shared memory -----------------------------
+// With MEGART_DENSE_RING_SLOTS > 0 (set by megart/tasks/dense_common.py from the CTA size; 0 at two
+// CTAs per SM or 512 threads, where the ring does not fit) a task that declares a prewait streams its
+// weights through a per-warp ring instead of registers. The prewait (run by the worker BEFORE the
+// instance's dependency wait: weights never depend on it) fills every warp's first slots, so the
+// copies of instance i+1 are in flight while the producer of its input is still finishing; the body
+// consumes stage j from slot j % slots and refills the slot with stage j + slots. A stage is one row
+// pair's next kStageChunks 16-byte chunks (the same chunks, in the same order, as dot2's registers, so
+// both paths give bit-identical sums). Ring region (at MEGART_DENSE_RING_OFFSET, after x staging):
+// issued[kWarps] (stages issued this instance), kWarps x slots mbarriers, then the slots.
+#ifndef MEGART_DENSE_RING_SLOTS
+#define MEGART_DENSE_RING_SLOTS 0
+#endif
+#ifndef MEGART_DENSE_RING_OFFSET
+#define MEGART_DENSE_RING_OFFSET 0
+#endif
+constexpr int kRingSlots = MEGART_DENSE_RING_SLOTS;
+constexpr int kStageChunks = 32 * kUnroll;         // per row per stage: one register batch of dot2
+constexpr int kSlotBytes = 2 * kStageChunks * 16;  // a row pair's stage (mirrored in dense_common.py)
+constexpr int kRingHeadBytes = ((kWarps * 4 + kWarps * (kRingSlots > 0 ? kRingSlots : 1) * 8) + 127) / 128 * 128;
+
+__device__ __forceinline__ int* ring_issued(char* smem) { return reinterpret_cast<int*>(smem + MEGART_DENSE_RING_OFFSET); }
+__device__ __forceinline__ unsigned long long* ring_bar(char* smem, int warp, int slot) {
+  return reinterpret_cast<unsigned long long*>(smem + MEGART_DENSE_RING_OFFSET + kWarps * 4) + warp * kRingSlots + slot;
+}
+__device__ __forceinline__ const uint4* ring_slot(char* smem, int warp, int slot) {
+  return reinterpret_cast<const uint4*>(smem + MEGART_DENSE_RING_OFFSET + kRingHeadBytes +
+                                        (size_t)(warp * kRingSlots + slot) * kSlotBytes);
+}
+
+// mbarrier and bulk-copy primitives (the host simulation copies at once and never waits).
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* b) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_inval(unsigned long long* b) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect(unsigned long long* b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+                 : "=r"(done) : "r"(smem_addr(b)), "r"(parity) : "memory");
+  } while (!done);
+}
+// The slot was last read through the generic proxy; order those reads before the async-proxy write.
+__device__ __forceinline__ void bulk_load(const void* dst, const void* src, unsigned bytes, unsigned long long* b) {
+  asm volatile("fence.proxy.async.shared::cta;\n\t"
+               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(b)) : "memory");
+}
+#else
+inline void mbar_init(unsigned long long* b) { *b = 0; }
+inline void mbar_inval(unsigned long long* b) { *b = ~0ull; }
+inline void mbar_init_fence() {}
+inline void mbar_expect(unsigned long long*, unsigned) {}
+inline void mbar_wait(unsigned long long*, unsigned) {}
+inline void bulk_load(const void* dst, const void* src, unsigned bytes, unsigned long long*) {
+  std::memcpy(const_cast<void*>(dst), src, bytes);
+}
+#endif
+
+// The k-th (row pair, chunk range) segment warp `warp` owns in a matvec over `groups` pairs of kc chunks:
+// whole pairs g = warp, warp + kWarps, ... when groups >= kWarps, else one K slice (see matvec).
+struct Segment {
+  int g, c0, c1;
+};
+__device__ __forceinline__ bool warp_segment(int groups, int kc, int warp, int k, Segment& s) {
+  if (groups >= kWarps) {
+    s = Segment{warp + k * kWarps, 0, kc};
+    return s.g < groups;
+  }
+  const int split = kWarps / groups, g = warp / split, part = warp - g * split;
+  s = Segment{g, (int)((long long)kc * part / split), (int)((long long)kc * (part + 1) / split)};
+  return k == 0 && g < groups;
+}
+
+// Walks a warp's stages in order: segment k, chunk c (stage = [c, min(c + kStageChunks, c1))).
+struct StageCursor {
+  int groups, kc, warp, k;
+  Segment s;
+  int c;
+  bool live;
+  __device__ __forceinline__ StageCursor(int groups_, int kc_, int warp_) : groups(groups_), kc(kc_), warp(warp_), k(0) {
+    live = warp_segment(groups, kc, warp, 0, s);
+    c = s.c0;
+    skip_empty();
+  }
+  __device__ __forceinline__ void skip_empty() {
+    while (live && c >= s.c1) {  // an empty K slice (kc < split) has no stage
+      live = warp_segment(groups, kc, warp, ++k, s);
+      c = s.c0;
+    }
+  }
+  __device__ __forceinline__ void next() {
+    c += kStageChunks;
+    skip_empty();
+  }
+};
+
+// Lane 0 of the warp: issue the cursor's stage into slot `slot`.
+template <class Rows>
+__device__ __forceinline__ void ring_issue(const StageCursor& st, const Rows& rows, char* smem, int warp, int slot) {
+  const void* w[2];
+  rows(st.s.g, w);
+  const int n = min(kStageChunks, st.s.c1 - st.c);
+  unsigned long long* b = ring_bar(smem, warp, slot);
+  const uint4* dst = ring_slot(smem, warp, slot);
+  mbar_expect(b, 2u * 16u * (unsigned)n);
+  bulk_load(dst, static_cast<const uint4*>(w[0]) + st.c, 16u * n, b);
+  bulk_load(dst + kStageChunks, static_cast<const uint4*>(w[1]) + st.c, 16u * n, b);
+}
+
+// Prewait: every warp's lane 0 initialises its slots' barriers and issues its first stages.
+template <class Rows>
+__device__ __forceinline__ void ring_fill(int groups, int kc, const Rows& rows, char* smem) {
+  if constexpr (kRingSlots > 0) {
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) != 0) return;
+    for (int sl = 0; sl < kRingSlots; ++sl) mbar_init(ring_bar(smem, warp, sl));
+    mbar_init_fence();
+    StageCursor st(groups, kc, warp);
+    int j = 0;
+    for (; j < kRingSlots && st.live; ++j, st.next()) ring_issue(st, rows, smem, warp, j);
+    ring_issued(smem)[warp] = j;
+  }
+}
+
+// After the body (or instead of it, when the wait was aborted): each warp's lane 0 waits for the last
+// stage it issued into every slot, so no copy is in flight when the shared memory is reused, and
+// invalidates the barriers. Bodies that consumed every stage pass straight through.
+__device__ __forceinline__ void ring_drain(char* smem) {
+  if constexpr (kRingSlots > 0) {
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) != 0) return;
+    const int issued = ring_issued(smem)[warp];
+    for (int sl = 0; sl < kRingSlots; ++sl) {
+      unsigned long long* b = ring_bar(smem, warp, sl);
+      if (sl < issued) mbar_wait(b, (unsigned)(((issued - 1 - sl) / kRingSlots) & 1));
+      mbar_inval(b);
+    }
+  }
+}
+
+// acc[] += the lane's share of one stage (chunks [c, c + n) of both rows, staged in `slot`).
+template <bool FP8>
+__device__ __forceinline__ void dot2_stage(const uint4* slot, const uint4* xs, int c, int n, float (&acc)[2]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int i = lane + 32 * u;
+    if (i < n) {
+      const uint4 wa = slot[i], wb = slot[kStageChunks + i];
+      if constexpr (FP8) {
+        const uint4 x0 = xs[2 * (c + i)], x1 = xs[2 * (c + i) + 1];
+        acc[0] = dot16_fp8(wa, x0, x1, acc[0]);
+        acc[1] = dot16_fp8(wb, x0, x1, acc[1]);
+      } else {
+        float xf[8];
+        unpack8(xs[c + i], xf);
+        acc[0] = dot8(wa, xf, acc[0]);
+        acc[1] = dot8(wb, xf, acc[1]);
+      }
+    }
+  }
+}
+
+// matvec (below) with the weights coming through the ring the prewait started (same work split, same
+// sums). `st` walks the stages being consumed; `ahead` runs kRingSlots stages in front: when stage j
+// has been read out of slot j % kRingSlots, lane 0 refills that slot with stage j + kRingSlots.
+template <bool FP8, class Rows, class Epi>
+__device__ __forceinline__ void matvec_ring(int groups, int kc, const uint4* xs, float* red, Rows rows, Epi epi,
+                                            char* smem) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  StageCursor st(groups, kc, warp), ahead(groups, kc, warp);
+  for (int a = 0; a < kRingSlots && ahead.live; ++a) ahead.next();  // the prewait issued these
+  int j = 0;
+  auto consume_segment = [&](float (&acc)[2]) {
+    const int k = st.k;
+    while (st.live && st.k == k) {
+      const int slot = j % kRingSlots;
+      mbar_wait(ring_bar(smem, warp, slot), (unsigned)((j / kRingSlots) & 1));
+      dot2_stage<FP8>(ring_slot(smem, warp, slot), xs, st.c, min(kStageChunks, st.s.c1 - st.c), acc);
+      __syncwarp();
+      if (ahead.live) {
+        if (lane == 0) {
+          ring_issue(ahead, rows, smem, warp, slot);
+          ++ring_issued(smem)[warp];
+        }
+        ahead.next();
+      }
+      ++j;
+      st.next();
+    }
+  };
+  if (groups >= kWarps) {
+    while (st.live) {
+      const int g = st.s.g;
+      float s[2] = {0.f, 0.f};
+      consume_segment(s);
+      epi(g, warp_sum(s[0]), warp_sum(s[1]));
+    }
+    return;
+  }
+  const int split = kWarps / groups;
+  float s[2] = {0.f, 0.f};
+  if (st.live) consume_segment(s);  // one K slice per warp; empty when kc < split
+  s[0] = warp_sum(s[0]);
+  s[1] = warp_sum(s[1]);
+  if (lane == 0) {
+    red[2 * warp] = s[0];
+    red[2 * warp + 1] = s[1];
+  }
+  __syncthreads();
+  if (warp < groups) {
+    float a = 0.f, b = 0.f;
+    for (int q = 0; q < split; ++q) {
+      a += red[2 * (warp * split + q)];
+      b += red[2 * (warp * split + q) + 1];
+    }
+    epi(warp, a, b);
+  }
+  __syncthreads();
+}
+
 // Matrix-vector over `groups` row pairs: rows(g, ptr) names the two weight rows of group g (the same
 // row twice for an odd tail), kc = 16-byte chunks per row, epi(g, dot0, dot1) runs on every lane of
 // one warp with full fp32 sums (bit-identical across lanes: butterfly sums commute).
@@ -223,6 +455,28 @@ __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, floa
     epi(warp, a, b);
   }
   __syncthreads();
+}
+
+// A matvec's work: `groups` row pairs of `kc` 16-byte chunks each, rows named by `rows`. A task with a
+// prewait builds it once (plan_<name>) for both the prewait's ring_fill and the body.
+template <class Rows>
+struct MatvecPlan {
+  int groups, kc;
+  Rows rows;
+};
+template <class Rows>
+__device__ __forceinline__ void ring_fill(const MatvecPlan<Rows>& m, char* smem) {
+  ring_fill(m.groups, m.kc, m.rows, smem);
+}
+// The body side of a task with a prewait: weights from the ring it filled, or through registers when
+// this kernel has no ring (MEGART_DENSE_RING_SLOTS == 0: the prewait did nothing).
+template <bool FP8, class Rows, class Epi>
+__device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
+                                                 char* smem) {
+  if constexpr (kRingSlots > 0)
+    matvec_ring<FP8>(m.groups, m.kc, xs, red, m.rows, epi, smem);
+  else
+    matvec<FP8>(m.groups, m.kc, xs, red, m.rows, epi);
 }
 
 // Row pairs (2g, 2g + 1) of a row-major W with n rows of `row_bytes`.

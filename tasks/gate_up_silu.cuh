@@ -10,15 +10,20 @@ struct GateUpRows {
 };
 
 template <class P>
+__device__ __forceinline__ auto plan_gate_up_silu(const P& p) {
+  return megart::dense::MatvecPlan<GateUpRows<P>>{p.n, p.k >> 3, GateUpRows<P>{p}};
+}
+
+template <class P>
 __device__ __forceinline__ void megart_task_gate_up_silu(const P& p, char* smem) {
   using namespace megart;
   using namespace megart::dense;
   uint4* xs = xs_of(smem);
   stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
   const int lane = threadIdx.x & 31;
-  matvec<false>(p.n, p.k >> 3, xs, scratch_of(smem), GateUpRows<P>{p}, [&](int g, float gate, float up) {
+  matvec_prewaited<false>(plan_gate_up_silu(p), xs, scratch_of(smem), [&](int g, float gate, float up) {
     if (lane == 0) p.h[g] = __float2bfloat16_rn(silu(gate) * up);
-  });
+  }, smem);
 }
 
 template <class P>
@@ -27,4 +32,14 @@ __device__ __forceinline__ void megart_prefetch_gate_up_silu(const P& p) {
     megart::dense::prefetch_head(p.w_gate, 2ull * p.n * p.k, megart::dense::kPrefetchBytes / 2);
     megart::dense::prefetch_head(p.w_up, 2ull * p.n * p.k, megart::dense::kPrefetchBytes / 2);
   }
+}
+
+template <class P>
+__device__ __forceinline__ void megart_prewait_gate_up_silu(const P& p, char* smem) {
+  megart::dense::ring_fill(plan_gate_up_silu(p), smem);
+}
+
+template <class P>
+__device__ __forceinline__ void megart_drain_gate_up_silu(const P&, char* smem) {
+  megart::dense::ring_drain(smem);
 }

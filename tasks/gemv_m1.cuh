@@ -1,6 +1,12 @@
 // gemv_m1: y[n] = W[n,k] @ norm?(x) (+ residual)
 // (helpers: tasks/dense_common.cuh)
 template <class P>
+__device__ __forceinline__ auto plan_gemv_m1(const P& p) {
+  using namespace megart::dense;
+  return MatvecPlan<PairRows>{(p.n + 1) >> 1, p.k >> 3, PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}};
+}
+
+template <class P>
 __device__ __forceinline__ void megart_task_gemv_m1(const P& p, char* smem) {
   using namespace megart;
   using namespace megart::dense;
@@ -8,18 +14,27 @@ __device__ __forceinline__ void megart_task_gemv_m1(const P& p, char* smem) {
   stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
   const bool res = p.flags & kFlagResidual;
   const int lane = threadIdx.x & 31;
-  matvec<false>((p.n + 1) >> 1, p.k >> 3, xs, scratch_of(smem),
-                PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}, [&](int g, float a, float b) {
-                  const int r = 2 * g + lane;
-                  if (lane < 2 && r < p.n) {
-                    float v = lane ? b : a;
-                    if (res) v += __bfloat162float(p.residual[r]);
-                    p.y[r] = __float2bfloat16_rn(v);
-                  }
-                });
+  matvec_prewaited<false>(plan_gemv_m1(p), xs, scratch_of(smem), [&](int g, float a, float b) {
+    const int r = 2 * g + lane;
+    if (lane < 2 && r < p.n) {
+      float v = lane ? b : a;
+      if (res) v += __bfloat162float(p.residual[r]);
+      p.y[r] = __float2bfloat16_rn(v);
+    }
+  }, smem);
 }
 
 template <class P>
 __device__ __forceinline__ void megart_prefetch_gemv_m1(const P& p) {
   if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
+}
+
+template <class P>
+__device__ __forceinline__ void megart_prewait_gemv_m1(const P& p, char* smem) {
+  megart::dense::ring_fill(plan_gemv_m1(p), smem);
+}
+
+template <class P>
+__device__ __forceinline__ void megart_drain_gemv_m1(const P&, char* smem) {
+  megart::dense::ring_drain(smem);
 }

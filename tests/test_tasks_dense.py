@@ -574,14 +574,73 @@ def test_hostsim_catches_a_missing_syncthreads(tmp_path):
     assert not torch.isfinite(out.float()).all() or geo.relerr(out, geo.ref_gemv(w, x)) > 0.1
 
 
-def test_hostsim_catches_a_divergent_barrier(tmp_path):
-    src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;\n  if (groups >= kWarps) {",
-                  "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;\n  if (threadIdx.x == 3) return;\n"
-                  "  if (groups >= kWarps) {")
-    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src)
+@pytest.mark.parametrize("ring", [0, 3])
+def test_hostsim_catches_a_divergent_barrier(tmp_path, ring):
+    if ring:    # the weight-ring engine (matvec_ring)
+        src = _broken(tmp_path, "  int j = 0;\n  auto consume_segment",
+                      "  int j = 0;\n  if (threadIdx.x == 3) return;\n  auto consume_segment")
+    else:       # the register engine (matvec)
+        src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;\n  if (groups >= kWarps) {",
+                      "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;\n  if (threadIdx.x == 3) return;\n"
+                      "  if (groups >= kWarps) {")
+    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines={"MEGART_DENSE_RING_SLOTS": ring})
     w, x = geo.dense_m1(16, 64, seed=1)
     pk.task("gemv_m1", y=pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
             x=pk.tensor(x, "x"))
     pk.compile()
     with pytest.raises(dense_hostsim.HostSimError, match="barrier"):
         dense_hostsim.run(pk)
+
+
+# ---- the weight ring (TMA-fed shared-memory stages) against the register engine ------------------------
+@pytest.mark.parametrize("n,k,tiles", [
+    pytest.param(37, 4112, 3, id="pairs>=warps,3-stage-rows"),
+    pytest.param(6, 8208, 2, id="split-K,uneven-slices"),
+    pytest.param(2, 16, 1, id="empty-K-slices"),
+    pytest.param(300, 2064, 1, id="many-pairs-per-warp")])
+def test_weight_ring_is_bit_identical_to_the_register_path(n, k, tiles):
+    """Every ring depth consumes the same chunks in the same order as dot2's registers, so each dense type
+    with a prewait gives bit-identical outputs with 0 (registers), 2, 3 and 4 slots per warp."""
+    w, x = geo.dense_m1(n, k, seed=3)
+    wu, _ = geo.dense_m1(n, k, seed=4)
+    w8, s8 = geo.quantize_fp8_per_channel(w)
+    g, res = geo.norm_weight(k, seed=5), geo.dense_m1(1, n, seed=6)[1]
+    outs = {}
+    for threads, slots in ((256, 0), (256, 2), (256, 3), (128, 0), (128, 4)):
+        pk = megart.PersistentKernel(nw=tiles, device="cpu", threads=threads,
+                                     defines={"MEGART_DENSE_RING_SLOTS": slots})
+        X, G, W = pk.tensor(x, "x"), pk.tensor(g, "g"), pk.tensor(w, "w")
+        pk.task("gemv_m1", y=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y"), w=W, x=X, norm_weight=G,
+                residual=pk.tensor(res, "res"), tiles=tiles)
+        pk.task("gemv_m1_fp8", y=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y8"), w=pk.tensor(w8, "w8"),
+                scale=pk.tensor(s8, "s8"), x=X, tiles=tiles)
+        pk.task("gate_up_silu", h=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "h"), w_gate=W,
+                w_up=pk.tensor(wu, "wu"), x=X, tiles=tiles)
+        pk.task("lm_head_argmax", w=W, x=X, part_val=pk.tensor(torch.zeros(tiles), "pv"),
+                part_idx=pk.tensor(torch.zeros(tiles, dtype=torch.int32), "pi"),
+                logits=pk.tensor(torch.zeros(n), "logits"), tiles=tiles)
+        pk.compile()
+        assert pk.report.spill_bytes == 0, pk.report
+        assert ("MEGART_DENSE_RING_SLOTS " + str(slots)) in pk.source.text
+        outs[threads, slots] = {kk: v.clone() for kk, v in dense_hostsim.run(pk).items()}
+    assert geo.relerr(outs[256, 0]["y"], geo.ref_gemv(w, x, norm_weight=g, residual=res)) < 1e-2
+    for threads, slots in ((256, 2), (256, 3), (128, 4)):
+        for name in ("y", "y8", "h", "pv", "pi", "logits"):
+            assert torch.equal(outs[threads, slots][name], outs[threads, 0][name]), (threads, slots, name)
+
+
+def test_weight_ring_sizing():
+    """One CTA per SM at 256 threads: 3 slots of 8 KB per warp after x staging (under the 227 KB an SM
+    gives one CTA); two CTAs per SM or 512 threads: no ring, the old 33 KB."""
+    from megart.codegen import KernelConfig
+    from megart.tasks import dense_common as dc
+    one = KernelConfig(threads=256, min_blocks=1)
+    assert dc.ring_slots(one) == 3
+    assert dc.smem_for(one) == dc.STAGE_SMEM + 256 + 8 * 3 * 8192 <= 227 * 1024
+    assert dc.ring_slots(KernelConfig(threads=256, min_blocks=2)) == 0
+    assert dc.ring_slots(KernelConfig(threads=512, min_blocks=1)) == 0
+    assert dc.smem_for(KernelConfig(threads=512, min_blocks=1)) == dc.STAGE_SMEM
+    assert dc.ring_slots(KernelConfig(threads=128, min_blocks=1)) == 4
+    assert dc.ring_slots(KernelConfig(threads=256, min_blocks=1, defines={"MEGART_DENSE_RING_SLOTS": 0})) == 0
+    pk = _all_dense_kernel(nw=4)
+    assert pk.smem_bytes() == dc.smem_for(one)

@@ -25,6 +25,47 @@ MAX_K = 16384                  # longest x a GEMV-type body stages in shared mem
 STAGE_SMEM = SCRATCH_BYTES + 2 * MAX_K   # 33,024 B: under the 48 KiB default dynamic limit
 ALIGN_BYTES = 16               # every vector-loaded operand starts on a 16-byte boundary
 
+# Weight ring (tasks/dense_common.cuh): per warp, `slots` stages of one row pair x 256 16-byte chunks,
+# filled by TMA bulk copies that the prewait starts before the instance's wait. Python decides the
+# slot count (the C++ reads MEGART_DENSE_RING_SLOTS / _OFFSET) and sizes shared memory with it.
+SLOT_BYTES = 2 * 256 * 16      # kSlotBytes: 2 rows x kStageChunks (32 lanes x kUnroll 8) x 16 B
+RING_BUDGET = 192 << 10        # slots' share of the 227 KB an SM gives one CTA
+MAX_RING_SLOTS = 4
+RING_OFFSET = STAGE_SMEM       # after x staging; a multiple of 128
+assert RING_OFFSET % 128 == 0
+
+
+def ring_slots(cfg) -> int:
+    """Ring slots per warp for a kernel config: MEGART_DENSE_RING_SLOTS if the caller set it (0 turns
+    the ring off), else as many as RING_BUDGET holds (at most 4), and 0 when that is under 2 (512
+    threads) or when two CTAs share an SM (they could not both have the ring's shared memory)."""
+    from ..codegen import env_defines
+    forced = {**env_defines(), **cfg.defines}.get("MEGART_DENSE_RING_SLOTS")
+    if forced is not None:
+        return int(forced)
+    if cfg.min_blocks > 1:
+        return 0
+    slots = min(MAX_RING_SLOTS, RING_BUDGET // ((cfg.threads // 32) * SLOT_BYTES))
+    return slots if slots >= 2 else 0
+
+
+def ring_bytes(threads: int, slots: int) -> int:
+    """Shared memory of the ring: issued counts and mbarriers (kRingHeadBytes), then the slots."""
+    if slots <= 0:
+        return 0
+    warps = threads // 32
+    head = -(-(warps * 4 + warps * slots * 8) // 128) * 128
+    return head + warps * slots * SLOT_BYTES
+
+
+def smem_for(cfg) -> int:
+    """Dynamic shared memory of a GEMV-type body with a prewait: x staging, then the ring."""
+    return STAGE_SMEM + ring_bytes(cfg.threads, ring_slots(cfg))
+
+
+def defines_for(cfg) -> dict:
+    return {"MEGART_DENSE_RING_SLOTS": ring_slots(cfg), "MEGART_DENSE_RING_OFFSET": RING_OFFSET}
+
 
 def ref(task: str, value, name: str) -> TensorRef:
     require(value is not None, task, f"argument {name!r} is required")

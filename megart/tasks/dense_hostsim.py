@@ -129,6 +129,7 @@ inline void trampoline() {
 }  // namespace hostsim
 
 inline void __syncthreads() { hostsim::arrive(hostsim::block); }
+inline void __syncwarp(unsigned = 0xffffffffu) { hostsim::arrive(hostsim::warps[threadIdx.x >> 5]); }
 
 // Full-warp shuffle: one barrier per call; alternating buffers keep a lane that runs ahead into the
 // next shuffle from overwriting a value a slower lane has yet to read.
@@ -227,15 +228,20 @@ extern "C" int megart_hostsim_run(int type_id, const unsigned long long* params,
 def _case(t: registry.TaskType) -> str:
     s = f"reinterpret_cast<const {t.struct_name}*>(P)"
     pre = f"{t.prefetch_name}(*{s}); " if t.prefetch else ""
-    return f"    case {t.id}: body = [=] {{ {pre}{t.body_name}(*{s}, smem); }}; break;"
+    if t.prewait:          # (the device runs it before the wait; the body's first __syncthreads orders it)
+        pre += f"{t.prewait_name}(*{s}, smem); "
+    post = f" {t.drain_name}(*{s}, smem);" if t.prewait else ""
+    return f"    case {t.id}: body = [=] {{ {pre}{t.body_name}(*{s}, smem);{post} }}; break;"
 
 
-def source(types: list, threads: int = 256, overrides: dict | None = None) -> str:
+def source(types: list, threads: int = 256, overrides: dict | None = None, defines: dict | None = None) -> str:
     """The host translation unit: prelude, layout, then (like codegen) each type's params struct and
-    device source (`overrides`: task name -> replacement source, as PersistentKernel(source_overrides=))."""
+    device source (`overrides`: task name -> replacement source, as PersistentKernel(source_overrides=);
+    `defines`: the kernel's macros, e.g. the weight ring's slot count)."""
     from ..codegen import params_struct     # (upward imports stay local: this module is a test tool)
     overrides = overrides or {}
-    parts = [f"#define MEGART_THREADS {threads}\n", PRELUDE, layout_header()]
+    macros = "".join(f"#define {k} {v}\n" for k, v in sorted((defines or {}).items()))
+    parts = [f"#define MEGART_THREADS {threads}\n{macros}", PRELUDE, layout_header()]
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared headers once, as codegen does
         parts.append(read_source(overrides.get(rel, rel))[0])
     seen = set()
@@ -276,11 +282,12 @@ def dense_types() -> list:
     return [t for t in registry.all_types() if t.headers == HEADERS]
 
 
-def library(types: list | None = None, threads: int = 256, overrides: dict | None = None) -> ctypes.CDLL:
+def library(types: list | None = None, threads: int = 256, overrides: dict | None = None,
+            defines: dict | None = None) -> ctypes.CDLL:
     """The host-compiled bodies of `types` (default: every dense type), cached on disk by the hash of
     the translation unit and the compiler, and per process."""
     types = dense_types() if types is None else types
-    src = source(types, threads, overrides)
+    src = source(types, threads, overrides, defines)
     cxx = os.environ.get("CXX", "g++")
     key = hashlib.sha256((cxx + "\0" + src).encode()).hexdigest()[:24]
     if key in _LIBS:
@@ -329,7 +336,14 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
     dense_ids = {t.id for t in dense_types()}
     from .dense_common import HEADERS
     overrides = {k: v for k, v in pk.source_overrides.items() if k in {t.name for t in dense_types()} | set(HEADERS)}
-    lib = library(None, pk.threads, overrides)
+    cfg = pk.kernel_config()
+    defines = {}
+    for t in dense_types():                # the macros codegen gives these bodies in this kernel
+        if t.defines_for:
+            defines.update(t.defines_for(cfg))
+    from ..codegen import env_defines
+    defines.update({**env_defines(), **cfg.defines})
+    lib = library(None, pk.threads, overrides, defines)
     desc, _ = pack_descriptors(s)
     off = header_offsets()
     hdr = desc[:, : HEADER_INTS // 2].view(np.int32)

@@ -10,9 +10,13 @@ from __future__ import annotations
 import torch
 
 from ..registry import Cost, TaskType, ptr, register, scalar
-from .dense_common import (source, FLAG_LOGITS, FLAG_NORM, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS, STAGE_SMEM, aligned,
+from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS, STAGE_SMEM, aligned,
                            check_k, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub)
 from .tiling import even_tiles, require
+
+# GEMV types whose weights stream through the shared-memory ring (tasks/dense_common.cuh); not
+# group_gemm_m1, whose rows depend on the routing, an input that exists only after its wait.
+RING = dict(prewait=True, smem_for=smem_for, defines_for=defines_for)
 
 EXPERT_ROWS = 128   # group_gemm_m1: each expert's tile of `a` / `y` rows; row 0 of it is the live one
 
@@ -84,7 +88,7 @@ register(TaskType(
     source=source("gemv_m1"), headers=HEADERS, reference=_gemv_ref,
     split=lambda nw, tiles=1, y=None, w=None, x=None, residual=None, norm_weight=None, eps=1e-5:
         _gemv_split("gemv_m1", nw, tiles, y, w, x, residual, norm_weight, eps),
-    cost=_gemv_cost, smem_bytes=STAGE_SMEM, prefetch=True,
+    cost=_gemv_cost, prefetch=True, **RING,
     doc="y[N] = W[N,K] @ x (+ residual[N], may be y itself); with norm_weight, x is RMS-normalised first "
         "(each CTA reduces x itself; the normalised x is rounded to bf16). bf16 in/out, fp32 accumulation. "
         "Tiles over output rows."), builtin=True)
@@ -107,7 +111,7 @@ register(TaskType(
     source=source("gemv_m1_fp8"), headers=HEADERS, reference=_gemv_fp8_ref,
     split=lambda nw, tiles=1, y=None, w=None, scale=None, x=None, residual=None, norm_weight=None, eps=1e-5:
         _gemv_split("gemv_m1_fp8", nw, tiles, y, w, x, residual, norm_weight, eps, scale=scale, w_elem=1),
-    cost=_gemv_cost, smem_bytes=STAGE_SMEM, prefetch=True,
+    cost=_gemv_cost, prefetch=True, **RING,
     doc="y[N] = scale[N] * (W8[N,K] @ x) (+ residual): pre-quantised e4m3 weights with per-output-channel "
         "f32 scales; same options as gemv_m1. K must be a multiple of 16."), builtin=True)
 
@@ -198,7 +202,7 @@ register(TaskType(
             ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
     source=source("gate_up_silu"), headers=HEADERS, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
-    smem_bytes=STAGE_SMEM, prefetch=True,
+    prefetch=True, **RING,
     doc="h[F] = silu(Wg[F,K] x) * (Wu[F,K] x), gate and up kept in fp32 registers (never stored); optional "
         "RMSNorm prologue as gemv_m1. Tiles over F."), builtin=True)
 
@@ -255,7 +259,7 @@ register(TaskType(
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("part_val", "f32", "out"),
             ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),
-    source=source("lm_head_argmax"), headers=HEADERS, reference=_lm_ref, split=_lm_split, cost=_lm_cost, smem_bytes=STAGE_SMEM, prefetch=True,
+    source=source("lm_head_argmax"), headers=HEADERS, reference=_lm_ref, split=_lm_split, cost=_lm_cost, prefetch=True, **RING,
     doc="LM head over vocab rows of W[V,d] (tied: the embedding table) with the final RMSNorm optionally "
         "fused: each instance writes its max logit and its row (ties: lowest) to part_val[i]/part_idx[i], "
         "and, if `logits` is given, the f32 logits of its rows. part_val/part_idx have one entry per "
