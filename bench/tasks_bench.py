@@ -141,14 +141,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json")
+    ap.add_argument("--only", default="", help="comma list of case-name prefixes to run (e.g. gemv,lm_head)")
     args = ap.parse_args(argv)
+    want = lambda name: not args.only or any(name.startswith(p) for p in args.only.split(","))  # noqa: E731
     if not torch.cuda.is_available():
         print("tasks_bench needs a CUDA device", file=sys.stderr)
         return 2
     floor = read_floor()
     bw = floor["floor_bw"]
-    rows = [dict(gemv_case(t, n, k, args.steps), target=tg) for t, n, k, tg in GEMV_CASES]
-    rows += [dict(attention_case(L, args.steps), target=tg) for L, tg in ATTN_CASES]
+    rows = [dict(gemv_case(t, n, k, args.steps), target=tg) for t, n, k, tg in GEMV_CASES if want(t)]
+    rows += [dict(attention_case(L, args.steps), target=tg) for L, tg in ATTN_CASES if want("attention")]
     print(f"\nread floor {bw / 1e12:.2f} TB/s ({floor['floor_method']}); per call, medians")
     print(f"{'case':28s} {'MB':>7s} {'floor us':>8s} {'megart us':>9s} {'of floor':>8s} {'overlapped':>10s} "
           f"{'of floor':>8s} {'torch graph us':>14s} {'of floor':>8s} {'target':>6s}")
