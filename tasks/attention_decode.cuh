@@ -9,12 +9,38 @@
 //
 // Layout: a K/V row (hd bf16) is read by HD/VEC lanes, VEC bf16 each (VEC = 8: 16-byte loads; group 8 uses
 // VEC = 4, 8-byte loads, to halve its q/o registers); a warp covers 32/(HD/VEC) positions per load and each
-// of these "slots" streams U = 8 positions per batch (2U loads in flight per thread). Each slot keeps its own online softmax (base-2 exponent, scale * log2(e) folded into q); the
-// slots are merged across lanes with shuffles, then across warps in shared memory.
+// of these "slots" takes U positions per batch. Each slot keeps its own online softmax (base-2 exponent,
+// scale * log2(e) folded into q); the slots are merged across lanes with shuffles, then across warps in
+// shared memory.
+// Streaming: group < 8 with the full register budget copies K/V through a per-thread shared-memory ring
+// (cp.async, RS stages of RU positions, RS - 1 stages in flight while one is computed; the first stages
+// are issued before q is read). Group 8, the low-register builds and a ring of 0 bytes (two CTAs per SM,
+// 512+ threads, or MEGART_ATTN_RING_BYTES=0) load K/V into registers, U positions per batch.
 // (shared helpers: tasks/attention_common.cuh)
 
 namespace megart_attn {
 constexpr int kAttnStageWarps = 8;  // warps merged per shared-memory round
+// K/V ring per CTA, set by megart/tasks/attention.py (attn_ring_bytes; 0: the register path for every group).
+#ifndef MEGART_ATTN_RING_BYTES
+#define MEGART_ATTN_RING_BYTES 0
+#endif
+constexpr int kAttnRingBytes = MEGART_ATTN_RING_BYTES;
+
+// 16 bytes global -> shared, asynchronously; n = 0 reads nothing and writes 16 zero bytes.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int n) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared16(unsigned a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
+  return v;
+}
 
 // VEC bf16 per lane (8: one 16-byte load; 4: one 8-byte load, which halves the q and o registers).
 template <int VEC>
@@ -44,6 +70,66 @@ __device__ __forceinline__ void unpack_kvec(const KVec<VEC>& v, float* f) {
   }
 }
 
+// 2^x. kFtz: one MUFU.EX2 without exp2f's subnormal fix-ups; a result under 2^-126 flushes to 0 (such a
+// weight vanishes anyway against the slot's largest, 1, and every x here is <= 0).
+template <bool kFtz>
+__device__ __forceinline__ float exp2_(float x) {
+  if constexpr (kFtz) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  } else {
+    return exp2f(x);
+  }
+}
+
+// One batch of U positions t0 + u * step of a slot (positions >= hi are masked: score -inf, weight 0)
+// into the slot's online softmax (m, l, o).
+template <int VEC, int LPR, int G, int U, bool kFtz>
+__device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m)[G], float (&l)[G],
+                                             float (&o)[G][VEC], const KVec<VEC> (&kv)[U],
+                                             const KVec<VEC> (&vv)[U], int t0, int step, int hi) {
+  float s[U][G];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float kf[VEC];
+    unpack_kvec<VEC>(kv[u], kf);
+    const bool valid = t0 + u * step < hi;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float a = 0.f;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) a = fmaf(q[g][e], kf[e], a);
+#pragma unroll
+      for (int off = LPR / 2; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+      s[u][g] = valid ? a : megart_attn::neg_inf();
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float mb = m[g];
+#pragma unroll
+    for (int u = 0; u < U; ++u) mb = fmaxf(mb, s[u][g]);
+    const float alpha = exp2_<kFtz>(m[g] - mb);
+    m[g] = mb;
+    l[g] *= alpha;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) o[g][e] *= alpha;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float vf[VEC];
+    unpack_kvec<VEC>(vv[u], vf);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float pu = exp2_<kFtz>(s[u][g] - m[g]);  // 0 for masked positions (s = -inf, m finite)
+      l[g] += pu;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o[g][e] = fmaf(pu, vf[e], o[g][e]);
+    }
+  }
+}
+
 template <int HD, int G>
 __device__ __forceinline__ void attention_decode_body(const megart_params_attention_decode& p, char* smem, int lo,
                                                       int hi) {
@@ -52,10 +138,45 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   constexpr int LPR = HD / VEC;        // lanes per K/V row
   constexpr int RPW = 32 / LPR;        // rows (positions) per warp per load
   constexpr int SLOTS = NWARP * RPW;   // positions per CTA per load
-  constexpr int U = kLowRegs ? (G >= 4 ? 2 : 4) : (G >= 8 ? 4 : 8);  // positions per slot per batch
+  constexpr int U = kLowRegs ? (G >= 4 ? 2 : 4) : (G >= 8 ? 4 : 8);  // register path: positions per slot per batch
   constexpr float NEG = -3.402823466e38f;  // finite "minus infinity" keeps exp2(m_old - m_new) NaN-free
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane % LPR, rw = lane / LPR, slot = warp * RPW + rw;
+  const __nv_bfloat16* kb = p.k_cache + sub * VEC;
+  const __nv_bfloat16* vb = p.v_cache + sub * VEC;
+
+  // Ring: every thread copies (cp.async) exactly the K and V vectors it reads back later, so its own
+  // wait_group makes them visible and the loop needs no barrier. Vector (ring slot s, position u, K/V kv)
+  // of thread tid is at ring + ((s * RU + u) * 2 + kv) * NT * 16 + tid * 16: a warp's LDS.128 reads 512
+  // contiguous bytes. Stage j (positions lo + j * BATCH + u * SLOTS + slot) lives in ring slot j % RS.
+  // 256 threads, 64 KB: RS = 4 stages of RU = 2 positions, 48 KB in flight per CTA while one is computed.
+  constexpr int RPOS = kAttnRingBytes / (NT * 32);  // positions (K + V: 32 bytes) per thread the ring holds
+  constexpr int RU = RPOS >= 16 ? 4 : (RPOS >= 8 ? 2 : 1);
+  constexpr int RS = RPOS / RU > 4 ? 4 : RPOS / RU;
+  constexpr bool kRing = !kLowRegs && G < 8 && RS >= 2;
+  constexpr int BATCH = SLOTS * RU;
+  constexpr unsigned VSTRIDE = NT * 16;  // bytes between consecutive vectors of one thread
+  const unsigned ring = (unsigned)__cvta_generic_to_shared(smem) + tid * 16;
+  const int nst = (hi - lo + BATCH - 1) / BATCH;  // stages (0: empty chunk)
+  auto issue = [&](int j) {
+    if (j < nst) {
+      const unsigned d = ring + ((unsigned)j % RS) * (RU * 2 * VSTRIDE);
+#pragma unroll
+      for (int u = 0; u < RU; ++u) {
+        const int t = lo + j * BATCH + u * SLOTS + slot;
+        const bool valid = t < hi;
+        const long long off = (long long)(valid ? t : lo) * HD;  // past hi: zero-fill, from row lo (< hi)
+        cp_async16(d + (2 * u) * VSTRIDE, kb + off, valid ? 16 : 0);
+        cp_async16(d + (2 * u + 1) * VSTRIDE, vb + off, valid ? 16 : 0);
+      }
+    }
+    cp_async_commit();  // (empty past the last stage: the group count per iteration stays uniform)
+  };
+  if constexpr (kRing) {
+    static_assert(VEC == 8 && RS * RU * 32 * NT <= kAttnRingBytes, "ring layout");
+#pragma unroll
+    for (int j = 0; j < RS - 1; ++j) issue(j);  // before q: the q and K/V round trips overlap
+  }
 
   float q[G][VEC];
   const float qscale = p.scale * kLog2e;
@@ -74,59 +195,37 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
     for (int e = 0; e < VEC; ++e) o[g][e] = 0.f;
   }
 
-  const __nv_bfloat16* kb = p.k_cache + sub * VEC;
-  const __nv_bfloat16* vb = p.v_cache + sub * VEC;
-  for (int b = lo; b < hi; b += SLOTS * U) {
-    KVec<VEC> kv[U], vv[U];
+  if constexpr (kRing) {
+    for (int j = 0; j < nst; ++j) {
+      issue(j + RS - 1);       // into slot (j - 1) % RS, whose data iteration j - 1 has consumed
+      cp_async_wait<RS - 1>();  // groups 0..j (this thread's copies of stage j) have landed
+      const unsigned d = ring + ((unsigned)j % RS) * (RU * 2 * VSTRIDE);
+      KVec<VEC> kv[RU], vv[RU];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = b + u * SLOTS + slot;
-      if (t < hi) {
-        kv[u] = ld_kvec<VEC>(kb + (long long)t * HD);
-        vv[u] = ld_kvec<VEC>(vb + (long long)t * HD);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC / 2; ++i) kv[u].u[i] = vv[u].u[i] = 0u;
+      for (int u = 0; u < RU; ++u) {
+        const uint4 a = ld_shared16(d + (2 * u) * VSTRIDE), c = ld_shared16(d + (2 * u + 1) * VSTRIDE);
+        kv[u].u[0] = a.x, kv[u].u[1] = a.y, kv[u].u[2] = a.z, kv[u].u[3] = a.w;
+        vv[u].u[0] = c.x, vv[u].u[1] = c.y, vv[u].u[2] = c.z, vv[u].u[3] = c.w;
       }
+      attend_batch<VEC, LPR, G, RU, true>(q, m, l, o, kv, vv, lo + j * BATCH + slot, SLOTS, hi);
     }
-    float s[U][G];
+    cp_async_wait<0>();  // (nothing real is left: copies past the last stage are never issued)
+    __syncthreads();     // the merge below reuses the ring's shared memory other warps may still read
+  } else {
+    for (int b = lo; b < hi; b += SLOTS * U) {
+      KVec<VEC> kv[U], vv[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[VEC];
-      unpack_kvec<VEC>(kv[u], kf);
-      const bool valid = b + u * SLOTS + slot < hi;
+      for (int u = 0; u < U; ++u) {
+        const int t = b + u * SLOTS + slot;
+        if (t < hi) {
+          kv[u] = ld_kvec<VEC>(kb + (long long)t * HD);
+          vv[u] = ld_kvec<VEC>(vb + (long long)t * HD);
+        } else {
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float a = 0.f;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) a = fmaf(q[g][e], kf[e], a);
-#pragma unroll
-        for (int off = LPR / 2; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-        s[u][g] = valid ? a : megart_attn::neg_inf();
+          for (int i = 0; i < VEC / 2; ++i) kv[u].u[i] = vv[u].u[i] = 0u;
+        }
       }
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float mb = m[g];
-#pragma unroll
-      for (int u = 0; u < U; ++u) mb = fmaxf(mb, s[u][g]);
-      const float alpha = exp2f(m[g] - mb);
-      m[g] = mb;
-      l[g] *= alpha;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) o[g][e] *= alpha;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float vf[VEC];
-      unpack_kvec<VEC>(vv[u], vf);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float pu = exp2f(s[u][g] - m[g]);  // 0 for masked positions (s = -inf, m finite)
-        l[g] += pu;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) o[g][e] = fmaf(pu, vf[e], o[g][e]);
-      }
+      attend_batch<VEC, LPR, G, U, false>(q, m, l, o, kv, vv, b + slot, SLOTS, hi);
     }
   }
 

@@ -243,6 +243,21 @@ def test_attention_32k_static_small_chunks():
     check(h["out"], ref_attention_decode(q, k, v, kv_len), TOL_ATTN, "attention static 32k")
 
 
+
+@pytest.mark.parametrize("nw,threads,defines,ring", [(NW, 256, None, 64 << 10), (NW, 128, None, 64 << 10),
+                                                     (2 * NW, 256, None, 0), (NW, 512, None, 0),
+                                                     (NW, 256, {"MEGART_ATTN_RING_BYTES": 0}, 0)])
+def test_attention_ring_config(nw, threads, defines, ring):
+    """The K/V ring (group < 8, one CTA per SM, < 512 threads) sizes the dynamic shared memory; two CTAs per
+    SM, 512 threads or MEGART_ATTN_RING_BYTES=0 keep the register path and the merge stage's 33,280 bytes."""
+    from megart.tasks.attention import SMEM_ATTN, SMEM_ATTN_MERGE, attn_ring_bytes
+    pk, *_ = attention_only(SHAPES[128], 2048, 2048, nw=nw, threads=threads, defines=defines)
+    assert attn_ring_bytes(pk.kernel_config()) == ring
+    assert pk.smem_bytes() == max(ring, SMEM_ATTN_MERGE) <= SMEM_ATTN
+    compiled(pk)
+    assert f"#define MEGART_ATTN_RING_BYTES {ring}\n" in pk.source.text
+
+
 def test_attention_detects_feature_drops():
     """The gate discriminates: dropping the last chunk or the current token is far outside TOL_ATTN."""
     sh, ms, kv_len = SHAPES[64], 2048, 17

@@ -31,7 +31,9 @@ ATTN_GROUPS = (1, 2, 4, 8)
 QKV_MAX_D = 8192
 MODE_ROPE, MODE_NORM, MODE_CACHE = 1, 2, 4
 SMEM_QKV = 4 * (128 * 32 + 32)              # per-warp row partials for up to 128 rows x 32 warps, scratch
-SMEM_ATTN = 4 * 8 * 8 * (128 + 2)           # 8 warps x group 8 x (hd 128 + m, l) merge stage
+SMEM_ATTN_MERGE = 4 * 8 * 8 * (128 + 2)     # 8 warps x group 8 x (hd 128 + m, l) merge stage
+ATTN_RING = 64 * 1024                       # attention_decode's K/V ring (MEGART_ATTN_RING_BYTES), any thread count
+SMEM_ATTN = max(SMEM_ATTN_MERGE, ATTN_RING)  # the merge reuses the ring's bytes once it is drained
 
 
 def _aligned16(ref, name, task):
@@ -277,6 +279,25 @@ def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, **_):
     return Cost(bytes=kv_bytes + n_q * hd * 2, flops=4 * n_q * kv_len * hd)
 
 
+def attn_ring_bytes(cfg) -> int:
+    """attention_decode's K/V ring in a kernel built with `cfg` (codegen.KernelConfig): MEGART_ATTN_RING_BYTES
+    when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under 512 threads (the body's
+    !kLowRegs case), 0 otherwise (the register path, as before the ring)."""
+    from ..codegen import env_defines
+    forced = {**env_defines(), **cfg.defines}.get("MEGART_ATTN_RING_BYTES")
+    if forced is not None:
+        return int(forced)
+    return ATTN_RING if cfg.min_blocks == 1 and cfg.threads < 512 else 0
+
+
+def _attn_smem(cfg) -> int:
+    return max(SMEM_ATTN_MERGE, attn_ring_bytes(cfg))
+
+
+def _attn_defines(cfg) -> dict:
+    return {"MEGART_ATTN_RING_BYTES": attn_ring_bytes(cfg)}
+
+
 register(TaskType(
     name="attention_decode", id=65,
     params=(ptr("q", "bf16", "in"), ptr("k_cache", "bf16", "in"), ptr("v_cache", "bf16", "in"),
@@ -284,7 +305,7 @@ register(TaskType(
             scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("max_seq"),
             scalar("scale", "f32")),
     source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS, reference=_attn_ref, split=_attn_split, cost=_attn_cost,
-    smem_bytes=SMEM_ATTN,
+    smem_bytes=SMEM_ATTN, smem_for=_attn_smem, defines_for=_attn_defines,
     doc="Flash-decoding partials (m, l, unnormalised o) of one query token over one KV chunk of one kv "
         "head (GQA), kv_len = pos + 1 read on the device."), builtin=True)
 
