@@ -182,11 +182,11 @@ __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs,
 }
 
 // ---- weight ring: TMA bulk copies of weight stages into shared memory -----------------------------
-// With MEGART_DENSE_RING_SLOTS > 0 (set by megart/tasks/dense_common.py from the CTA size; 0 at two
-// CTAs per SM or 512 threads, where the ring does not fit) a task that declares a prewait streams its
-// weights through a per-warp ring instead of registers. The prewait (run by the worker BEFORE the
-// instance's dependency wait: weights never depend on it) fills every warp's first slots, so the
-// copies of instance i+1 are in flight while the producer of its input is still finishing; the body
+// With MEGART_DENSE_RING_SLOTS > 0 (a kernel macro, off by default: see megart/tasks/dense_common.py
+// for the measurements) a task that declares a prewait streams its weights through a per-warp ring
+// instead of registers. The prewait (run by the worker BEFORE the instance's dependency wait: weights
+// never depend on it) fills every warp's first slots, so the copies of instance i+1 are in flight while
+// the producer of its input is still finishing; the body
 // consumes stage j from slot j % slots and refills the slot with stage j + slots. A stage is one row
 // pair's next kStageChunks 16-byte chunks (the same chunks, in the same order, as dot2's registers, so
 // both paths give bit-identical sums). Ring region (at MEGART_DENSE_RING_OFFSET, after x staging):

@@ -630,17 +630,19 @@ def test_weight_ring_is_bit_identical_to_the_register_path(n, k, tiles):
 
 
 def test_weight_ring_sizing():
-    """One CTA per SM at 256 threads: 3 slots of 8 KB per warp after x staging (under the 227 KB an SM
-    gives one CTA); two CTAs per SM or 512 threads: no ring, the old 33 KB."""
+    """Off by default (the register engine: 33 KB); asked for, 3 slots of 8 KB per warp at 256 threads
+    fit the 227 KB an SM gives one CTA, and 4 do not: a clear co-residency error naming shared memory."""
     from megart.codegen import KernelConfig
     from megart.tasks import dense_common as dc
-    one = KernelConfig(threads=256, min_blocks=1)
-    assert dc.ring_slots(one) == 3
-    assert dc.smem_for(one) == dc.STAGE_SMEM + 256 + 8 * 3 * 8192 <= 227 * 1024
-    assert dc.ring_slots(KernelConfig(threads=256, min_blocks=2)) == 0
-    assert dc.ring_slots(KernelConfig(threads=512, min_blocks=1)) == 0
-    assert dc.smem_for(KernelConfig(threads=512, min_blocks=1)) == dc.STAGE_SMEM
-    assert dc.ring_slots(KernelConfig(threads=128, min_blocks=1)) == 4
-    assert dc.ring_slots(KernelConfig(threads=256, min_blocks=1, defines={"MEGART_DENSE_RING_SLOTS": 0})) == 0
-    pk = _all_dense_kernel(nw=4)
-    assert pk.smem_bytes() == dc.smem_for(one)
+    assert dc.ring_slots(KernelConfig(threads=256)) == 0
+    assert dc.smem_for(KernelConfig(threads=256)) == dc.STAGE_SMEM
+    three = KernelConfig(threads=256, defines={"MEGART_DENSE_RING_SLOTS": 3})
+    assert dc.ring_slots(three) == 3
+    assert dc.smem_for(three) == dc.STAGE_SMEM + 256 + 8 * 3 * 8192 <= 227 * 1024
+    assert _all_dense_kernel(nw=4).smem_bytes() <= 64 * 1024
+    pk = megart.PersistentKernel(nw=4, device="cpu", defines={"MEGART_DENSE_RING_SLOTS": 4})
+    w, x = geo.dense_m1(64, 256, seed=1)
+    pk.task("gemv_m1", y=pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
+            x=pk.tensor(x, "x"), tiles=4)
+    with pytest.raises(megart.errors.ResidencyError, match="shared memory"):
+        pk.compile()

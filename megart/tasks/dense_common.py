@@ -28,25 +28,20 @@ ALIGN_BYTES = 16               # every vector-loaded operand starts on a 16-byte
 # Weight ring (tasks/dense_common.cuh): per warp, `slots` stages of one row pair x 256 16-byte chunks,
 # filled by TMA bulk copies that the prewait starts before the instance's wait. Python decides the
 # slot count (the C++ reads MEGART_DENSE_RING_SLOTS / _OFFSET) and sizes shared memory with it.
+# Off unless asked for (MEGART_DENSE_RING_SLOTS=2 or 3 at 256 threads): measured on the H200 it brings
+# the LM head from 0.95 to 1.00 of the read floor alone, but makes the Llama-1B step slower
+# (1,056 -> 1,274-1,321 us; bench/RESULTS.md), so the register engine is the default.
 SLOT_BYTES = 2 * 256 * 16      # kSlotBytes: 2 rows x kStageChunks (32 lanes x kUnroll 8) x 16 B
-RING_BUDGET = 192 << 10        # slots' share of the 227 KB an SM gives one CTA
-MAX_RING_SLOTS = 4
 RING_OFFSET = STAGE_SMEM       # after x staging; a multiple of 128
 assert RING_OFFSET % 128 == 0
 
 
 def ring_slots(cfg) -> int:
-    """Ring slots per warp for a kernel config: MEGART_DENSE_RING_SLOTS if the caller set it (0 turns
-    the ring off), else as many as RING_BUDGET holds (at most 4), and 0 when that is under 2 (512
-    threads) or when two CTAs share an SM (they could not both have the ring's shared memory)."""
+    """Ring slots per warp: MEGART_DENSE_RING_SLOTS from the kernel's or the process's macros, else 0
+    (the register engine). More slots than shared memory holds fail the co-residency check, naming
+    shared memory (3 fit at 256 threads and one CTA per SM; none fit at two CTAs per SM)."""
     from ..codegen import env_defines
-    forced = {**env_defines(), **cfg.defines}.get("MEGART_DENSE_RING_SLOTS")
-    if forced is not None:
-        return int(forced)
-    if cfg.min_blocks > 1:
-        return 0
-    slots = min(MAX_RING_SLOTS, RING_BUDGET // ((cfg.threads // 32) * SLOT_BYTES))
-    return slots if slots >= 2 else 0
+    return int({**env_defines(), **cfg.defines}.get("MEGART_DENSE_RING_SLOTS", 0))
 
 
 def ring_bytes(threads: int, slots: int) -> int:

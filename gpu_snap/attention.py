@@ -1,0 +1,349 @@
+"""Attention decode task types (ids 64-95): fused QKV projection + RoPE + KV-cache append, flash-decoding
+attention over KV chunks, and the log-sum-exp merge of the chunks. bf16 storage, fp32 math.
+
+The decode position is device data (`pos`, an i32 tensor of one element), so one compiled kernel serves
+every step: kv_len = pos + 1 is read on the device, never baked into the descriptors.
+
+Dependency refs (the byte ranges that order instances):
+* qkv_rope_append writes q exactly (two refs per instance: the low and the high half of its pairs). A
+  cache-writing instance may write row `pos` of its kv head, which is only known on the device, so its
+  write ref covers the head's whole cache region [h, 0:max_seq, :].
+  - kv_refs="strict" (default): k and v heads are never sub-tiled (sub-tiles of one head would all claim the
+    whole head and be serialised by write-after-write dependencies), only q heads are.
+  - kv_refs="partition": k and v heads are sub-tiled like q heads, and the sub-tiles of one head claim
+    disjoint pieces of the head's region whose union is the whole region. Every byte any of them may
+    write lies in the union, so a consumer whose read ref covers the whole head (attention_decode's does)
+    waits on all of them; a consumer reading only part of the head would not be ordered correctly.
+    Shorter longest instance (hd/2 x d instead of hd x d weight bytes); see docs/TASKS.md.
+* attention_decode reads q (its group's heads), the whole k/v head (pos is dynamic) and writes its own
+  partial slots exactly; attention_merge reads the partials of its q heads and writes out exactly.
+"""
+from __future__ import annotations
+
+import math
+
+from ..registry import Cost, TaskType, ptr, register, scalar
+from ..tensors import as_ref
+from .tiling import even_tiles, require
+
+ATTN_HD = (64, 128)
+ATTN_GROUPS = (1, 2, 4, 8)
+QKV_MAX_D = 8192
+MODE_ROPE, MODE_NORM, MODE_CACHE = 1, 2, 4
+SMEM_QKV = 4 * (128 * 32 + 32)              # per-warp row partials for up to 128 rows x 32 warps, scratch
+SMEM_ATTN = 4 * 8 * 8 * (128 + 2)           # 8 warps x group 8 x (hd 128 + m, l) merge stage
+
+
+def _aligned16(ref, name, task):
+    require(ref.byte_range[0] % 16 == 0, task, f"{name} must start on a 16-byte boundary (16-byte vector loads)")
+
+
+def _auto_tiles(tiles, nw):
+    """tiles <= 1 (the default) means: spread over the grid (nw instances)."""
+    return nw if tiles is None or tiles <= 1 else int(tiles)
+
+
+def _wide(view, n):
+    """A view of n elements starting where `view` starts (same storage): the cache row `pos` of a
+    partition-mode instance can lie outside its own claim (see the module docstring)."""
+    if view.numel() >= n:
+        return view
+    return view.as_strided((n,), (1,), view.storage_offset())
+
+
+# --- qkv_rope_append -------------------------------------------------------------------------------------
+
+def _sub_counts(total, n, cap):
+    """Spread `total` sub-tiles over n heads (each 1..cap)."""
+    base, extra = divmod(max(total, n), n)
+    return [min(cap, max(1, base + (1 if i < extra else 0))) for i in range(n)]
+
+
+def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q, n_kv, hd, norm_weight=None,
+               eps=1e-5, max_seq=None, kv_refs="strict"):
+    T = "qkv_rope_append"
+    qr, kr, vr, wr = as_ref(q, "q"), as_ref(k_cache, "k_cache"), as_ref(v_cache, "v_cache"), as_ref(w_qkv, "w_qkv")
+    xr, cr, sr, pr = as_ref(x, "x"), as_ref(cos, "cos"), as_ref(sin, "sin"), as_ref(pos, "pos")
+    require(hd in ATTN_HD, T, f"hd must be one of {ATTN_HD}, got {hd}")
+    require(n_q >= 1 and n_kv >= 1 and n_q % n_kv == 0, T, f"n_q ({n_q}) must be a positive multiple of n_kv ({n_kv})")
+    require(kv_refs in ("strict", "partition"), T, f"kv_refs must be 'strict' or 'partition', got {kv_refs!r}")
+    d = xr.count
+    require(d % 8 == 0 and 8 <= d <= QKV_MAX_D, T, f"d (x has {d} elements) must be a multiple of 8 in [8, {QKV_MAX_D}]")
+    rows = (n_q + 2 * n_kv) * hd
+    require(wr.count == rows * d, T, f"w_qkv has {wr.count} elements, expected (n_q + 2 n_kv) * hd * d = {rows * d}")
+    require(qr.count == n_q * hd, T, f"q has {qr.count} elements, expected n_q * hd = {n_q * hd}")
+    require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
+            f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
+    ms = kr.count // (n_kv * hd)
+    require(max_seq is None or max_seq == ms, T, f"max_seq={max_seq} but the caches hold {ms} positions")
+    half = hd // 2
+    for ref, name in ((cr, "cos"), (sr, "sin")):
+        require(ref.count % half == 0 and ref.count // half >= ms, T,
+                f"{name} must be [>= max_seq ({ms}), hd/2 ({half})] f32, has {ref.count} elements")
+    require(pr.count == 1, T, f"pos must be a single i32 element, has {pr.count}")
+    _aligned16(wr, "w_qkv", T)
+    _aligned16(xr, "x", T)
+    mode_norm = 0
+    nr = None
+    if norm_weight is not None:
+        nr = as_ref(norm_weight, "norm_weight")
+        require(nr.count == d, T, f"norm_weight has {nr.count} elements, x has {d}")
+        _aligned16(nr, "norm_weight", T)
+        mode_norm = MODE_NORM
+    eps = float(eps)
+    require(eps > 0, T, f"eps must be > 0, got {eps}")
+
+    heads = [("q", h) for h in range(n_q)] + [("k", h) for h in range(n_kv)] + [("v", h) for h in range(n_kv)]
+    total = _auto_tiles(tiles, nw)
+    if kv_refs == "partition":
+        subs = _sub_counts(total, len(heads), half)
+    else:
+        subs = _sub_counts(total - 2 * n_kv, n_q, half) + [1] * (2 * n_kv)
+    out = []
+    for (kind, h), nsub in zip(heads, subs):
+        row0 = {"q": h, "k": n_q + h, "v": n_q + n_kv + h}[kind] * hd
+        parts = even_tiles(half, nsub)
+        cache = kr if kind == "k" else vr
+        base = cache.offset + h * ms * hd
+        for s, (a, b) in enumerate(parts):
+            w_ref = wr.tensor.ref(wr.offset + (row0 + a) * d, (half + b - a) * d)
+            if kind == "q":
+                dst = qr.tensor.ref(qr.offset + h * hd + a, b - a)
+                dst2 = qr.tensor.ref(qr.offset + h * hd + half + a, b - a)
+                mode = MODE_ROPE
+            else:
+                end = parts[s + 1][0] if s + 1 < len(parts) else ms * hd
+                dst = cache.tensor.ref(base + a, end - a)   # whole head when nsub == 1
+                dst2 = dst
+                mode = MODE_CACHE | (MODE_ROPE if kind == "k" else 0)
+            out.append(dict(w=w_ref, x=xr, norm_weight=nr if nr is not None else w_ref.tensor.ref(w_ref.offset, 1),
+                            cos=cr, sin=sr, pos=pr, dst=dst, dst2=dst2, mode=mode | mode_norm, npairs=b - a,
+                            pair0=a, d=d, half=half, max_seq=ms, eps=eps))
+    return out
+
+
+def _qkv_ref(p) -> None:
+    """One instance, mirroring the device: fp32 dots of bf16 W with the (optionally RMS-normalised and
+    bf16-rounded) x, RoPE in fp32 on the fp32 dots, one rounding to bf16 at the store."""
+    import torch
+    pos = int(p.pos[0])
+    if not 0 <= pos < p.max_seq:
+        return
+    d, n, half, a = p.d, p.npairs, p.half, p.pair0
+    x = p.x.float()
+    if p.mode & MODE_NORM:
+        inv = torch.rsqrt((x * x).sum() / d + torch.tensor(p.eps, dtype=torch.float32))
+        x = ((x * inv) * p.norm_weight.float()).to(torch.bfloat16).float()
+    w = p.w.view(-1, d)
+    lo = w[:n].float() @ x
+    hi = w[half:half + n].float() @ x
+    if p.mode & MODE_ROPE:
+        c = p.cos[pos * half + a:pos * half + a + n]
+        s = p.sin[pos * half + a:pos * half + a + n]
+        lo, hi = lo * c - hi * s, hi * c + lo * s
+    if p.mode & MODE_CACHE:
+        row = pos * 2 * half
+        dst = _wide(p.dst, row + half + n)
+        dst[row:row + n] = lo.to(torch.bfloat16)
+        dst[row + half:row + half + n] = hi.to(torch.bfloat16)
+    else:
+        p.dst.copy_(lo.to(torch.bfloat16))
+        p.dst2.copy_(hi.to(torch.bfloat16))
+
+
+def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, **_):
+    wr, d = as_ref(w_qkv, "w_qkv"), as_ref(x, "x").count
+    nbytes = wr.count * 2 + d * 2 + (d * 2 if norm_weight is not None else 0) + n_q * hd * 2 + 2 * n_kv * hd * 2
+    return Cost(bytes=nbytes, flops=2 * wr.count)
+
+
+ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
+
+
+register(TaskType(
+    name="qkv_rope_append", id=64,
+    params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
+            ptr("cos", "f32", "weight"), ptr("sin", "f32", "weight"), ptr("pos", "i32", "in"),
+            ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"),
+            scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
+            scalar("eps", "f32")),
+    source="tasks/qkv_rope_append.cuh", headers=ATTENTION_HEADERS, reference=_qkv_ref, split=_qkv_split, cost=_qkv_cost,
+    smem_bytes=SMEM_QKV, prefetch=True,
+    doc="q, k, v = (rmsnorm(x)) @ w_qkv.T; rotate-half RoPE on q, k at the device position pos; "
+        "k, v appended to the caches at row pos."), builtin=True)
+
+
+# --- attention_decode ------------------------------------------------------------------------------------
+
+def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
+    qr, kr, vr = as_ref(q, "q"), as_ref(k_cache, "k_cache"), as_ref(v_cache, "v_cache")
+    require(hd in ATTN_HD, T, f"hd must be one of {ATTN_HD}, got {hd}")
+    require(n_q >= 1 and n_kv >= 1 and n_q % n_kv == 0, T, f"n_q ({n_q}) must be a positive multiple of n_kv ({n_kv})")
+    group = n_q // n_kv
+    require(group in ATTN_GROUPS, T, f"group n_q / n_kv must be one of {ATTN_GROUPS}, got {group}")
+    require(qr.count == n_q * hd, T, f"q has {qr.count} elements, expected n_q * hd = {n_q * hd}")
+    require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
+            f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
+    ms = kr.count // (n_kv * hd)
+    require(max_seq is None or max_seq == ms, T, f"max_seq={max_seq} but the caches hold {ms} positions")
+    for ref, name in ((qr, "q"), (kr, "k_cache"), (vr, "v_cache")):
+        _aligned16(ref, name, T)
+    return qr, kr, vr, group, ms
+
+
+def attention_chunks(n_kv: int, max_seq: int, nw: int, chunk: int = 0, chunks: int | None = None,
+                     tiles: int = 1) -> int:
+    """The number of KV chunks per kv head attention_decode uses for these arguments (size the partial
+    buffers [n_kv, chunks, group, hd] and [n_kv, chunks, group, 2] with it)."""
+    if chunk:
+        return -(-max_seq // chunk)
+    if chunks:
+        return int(chunks)
+    return max(1, _auto_tiles(tiles, nw) // n_kv)
+
+
+def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, n_kv, hd, max_seq=None, chunk=0,
+                chunks=None, scale=None):
+    T = "attention_decode"
+    qr, kr, vr, group, ms = _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq)
+    pr, por, pmr = as_ref(pos, "pos"), as_ref(part_o, "part_o"), as_ref(part_ml, "part_ml")
+    require(pr.count == 1, T, f"pos must be a single i32 element, has {pr.count}")
+    chunk = int(chunk or 0)
+    require(chunk >= 0, T, f"chunk must be >= 0 (0: dynamic chunks), got {chunk}")
+    nch = attention_chunks(n_kv, ms, nw, chunk, None if chunk else chunks, tiles)
+    if chunk and chunks is not None:
+        require(chunks == nch, T, f"chunks={chunks} but chunk={chunk} over max_seq={ms} gives {nch}")
+    require(nch >= 1, T, f"chunks must be >= 1, got {nch}")
+    require(por.count == n_kv * nch * group * hd, T,
+            f"part_o has {por.count} elements, expected [n_kv, chunks, group, hd] = {n_kv * nch * group * hd}")
+    require(pmr.count == n_kv * nch * group * 2, T,
+            f"part_ml has {pmr.count} elements, expected [n_kv, chunks, group, 2] = {n_kv * nch * group * 2}")
+    scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
+    out = []
+    for h in range(n_kv):
+        q_ref = qr.tensor.ref(qr.offset + h * group * hd, group * hd)
+        k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
+        v_ref = vr.tensor.ref(vr.offset + h * ms * hd, ms * hd)
+        for c in range(nch):
+            out.append(dict(q=q_ref, k_cache=k_ref, v_cache=v_ref, pos=pr,
+                            part_o=por.tensor.ref(por.offset + (h * nch + c) * group * hd, group * hd),
+                            part_ml=pmr.tensor.ref(pmr.offset + (h * nch + c) * group * 2, group * 2),
+                            group=group, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale))
+    return out
+
+
+def chunk_range(chunk: int, cidx: int, nchunks: int, kv_len: int) -> tuple[int, int]:
+    """Positions [lo, hi) chunk `cidx` covers at this kv_len (static when chunk > 0, else dynamic)."""
+    if chunk > 0:
+        lo, hi = cidx * chunk, cidx * chunk + chunk
+    else:
+        cl = -(-kv_len // nchunks)
+        lo, hi = cidx * cl, cidx * cl + cl
+    hi = min(hi, kv_len)
+    return lo, max(lo, hi)
+
+
+def _kv_len(pos: int, max_seq: int) -> int:
+    return 0 if pos < 0 else min(pos + 1, max_seq)
+
+
+def _attn_ref(p) -> None:
+    import torch
+    G, hd = p.group, p.hd
+    kv_len = _kv_len(int(p.pos[0]), p.max_seq)
+    lo, hi = chunk_range(p.chunk, p.cidx, p.nchunks, kv_len)
+    if hi <= lo:
+        p.part_o.zero_()
+        p.part_ml.view(G, 2)[:, 0] = float("-inf")
+        p.part_ml.view(G, 2)[:, 1] = 0.0
+        return
+    q = p.q.view(G, hd).float()
+    k = p.k_cache.view(-1, hd)[lo:hi].float()
+    v = p.v_cache.view(-1, hd)[lo:hi].float()
+    s = (q @ k.T) * torch.tensor(p.scale, dtype=torch.float32)
+    m = s.max(dim=1).values
+    e = torch.exp(s - m[:, None])
+    p.part_o.copy_((e @ v).reshape(-1))
+    ml = p.part_ml.view(G, 2)
+    ml[:, 0] = m
+    ml[:, 1] = e.sum(dim=1)
+
+
+def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, **_):
+    pr, kr = as_ref(pos, "pos"), as_ref(k_cache, "k_cache")
+    ms = kr.count // (n_kv * hd)
+    kv_len = _kv_len(int(pr.tensor.data.reshape(-1)[pr.offset].item()), ms)
+    kv_bytes = 2 * n_kv * kv_len * hd * 2
+    return Cost(bytes=kv_bytes + n_q * hd * 2, flops=4 * n_q * kv_len * hd)
+
+
+register(TaskType(
+    name="attention_decode", id=65,
+    params=(ptr("q", "bf16", "in"), ptr("k_cache", "bf16", "in"), ptr("v_cache", "bf16", "in"),
+            ptr("pos", "i32", "in"), ptr("part_o", "f32", "out"), ptr("part_ml", "f32", "out"),
+            scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("max_seq"),
+            scalar("scale", "f32")),
+    source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS, reference=_attn_ref, split=_attn_split, cost=_attn_cost,
+    smem_bytes=SMEM_ATTN,
+    doc="Flash-decoding partials (m, l, unnormalised o) of one query token over one KV chunk of one kv "
+        "head (GQA), kv_len = pos + 1 read on the device."), builtin=True)
+
+
+# --- attention_merge -------------------------------------------------------------------------------------
+
+def _merge_split(nw, tiles=1, *, out, part_o, part_ml, n_q, n_kv, hd, chunks):
+    T = "attention_merge"
+    orf, por, pmr = as_ref(out, "out"), as_ref(part_o, "part_o"), as_ref(part_ml, "part_ml")
+    require(hd in ATTN_HD, T, f"hd must be one of {ATTN_HD}, got {hd}")
+    require(n_q >= 1 and n_kv >= 1 and n_q % n_kv == 0, T, f"n_q ({n_q}) must be a positive multiple of n_kv ({n_kv})")
+    require(chunks >= 1, T, f"chunks must be >= 1, got {chunks}")
+    G, C = n_q // n_kv, int(chunks)
+    require(orf.count == n_q * hd, T, f"out has {orf.count} elements, expected n_q * hd = {n_q * hd}")
+    require(por.count == n_kv * C * G * hd, T,
+            f"part_o has {por.count} elements, expected [n_kv, chunks, group, hd] = {n_kv * C * G * hd}")
+    require(pmr.count == n_kv * C * G * 2, T,
+            f"part_ml has {pmr.count} elements, expected [n_kv, chunks, group, 2] = {n_kv * C * G * 2}")
+    n = min(n_q, nw) if tiles is None or tiles <= 1 else int(tiles)
+    res = []
+    for i0, i1 in even_tiles(n_q, n):
+        (h0, g0), (h1, g1) = divmod(i0, G), divmod(i1 - 1, G)
+        o_lo, o_hi = (h0 * C * G + g0) * hd, ((h1 * C + C - 1) * G + g1 + 1) * hd
+        m_lo, m_hi = (h0 * C * G + g0) * 2, ((h1 * C + C - 1) * G + g1 + 1) * 2
+        res.append(dict(out=orf.tensor.ref(orf.offset + i0 * hd, (i1 - i0) * hd),
+                        part_o=por.tensor.ref(por.offset + o_lo, o_hi - o_lo),
+                        part_ml=pmr.tensor.ref(pmr.offset + m_lo, m_hi - m_lo),
+                        nheads=i1 - i0, group=G, hd=hd, chunks=C, g0=g0))
+    return res
+
+
+def _merge_ref(p) -> None:
+    import torch
+    G, hd, C, g0 = p.group, p.hd, p.chunks, p.g0
+    out = p.out.view(p.nheads, hd)
+    for k in range(p.nheads):
+        dh, g = divmod(g0 + k, G)
+        head = dh * C * G + (g - g0)
+        idx = torch.arange(C) * G + head
+        m = p.part_ml[idx * 2]
+        l = p.part_ml[idx * 2 + 1]
+        o = p.part_o.view(-1)[(idx * hd)[:, None] + torch.arange(hd)[None, :]]
+        M = m.max()
+        if M == float("-inf"):
+            out[k] = 0
+            continue
+        w = torch.exp(m - M)
+        L = (w * l).sum()
+        out[k] = ((w[:, None] * o).sum(dim=0) / L).to(torch.bfloat16) if L > 0 else 0
+
+
+def _merge_cost(*, n_q, n_kv, hd, chunks, **_):
+    return Cost(bytes=n_q * chunks * (hd + 2) * 4 + n_q * hd * 2, flops=3 * n_q * chunks * hd)
+
+
+register(TaskType(
+    name="attention_merge", id=66,
+    params=(ptr("out", "bf16", "out"), ptr("part_o", "f32", "in"), ptr("part_ml", "f32", "in"),
+            scalar("nheads"), scalar("group"), scalar("hd"), scalar("chunks"), scalar("g0")),
+    source="tasks/attention_merge.cuh", headers=ATTENTION_HEADERS, reference=_merge_ref, split=_merge_split, cost=_merge_cost,
+    doc="out[q head] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c over the attention_decode chunks."),
+    builtin=True)
