@@ -23,6 +23,7 @@ VARIANTS = {  # name -> (LlamaModel keyword arguments, exact)
     "explicit deps (call-level events)": (dict(deps="explicit"), True),
     "inferred deps (subset events)": (dict(deps="infer"), True),
     "inferred deps, 8 KV chunks/head": (dict(deps="infer", tiles=dict(attn_chunks=8)), False),
+    "inferred deps, 32 KV chunks/head": (dict(deps="infer", tiles=dict(attn_chunks=32)), False),
     "inferred deps, 512 threads": (dict(deps="infer", threads=512), False),
 }
 TOL = 3e-2
