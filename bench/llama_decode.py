@@ -109,7 +109,7 @@ def hbm_bandwidth(device) -> tuple[float, str]:
         log(f"megart.bandwidth failed ({type(exc).__name__}: {exc}); using torch.sum")
     x = torch.empty(1 << 30, dtype=torch.bfloat16, device=device).uniform_()
     t = Timer(device)
-    ms = median(t.steps(lambda: x.sum(), 10)) / 1e3
+    ms = median(t.steps(lambda x=x: x.sum(), 10)) / 1e3
     bw = x.numel() * 2 / (ms * 1e-3)
     del x
     return bw, "torch.sum of 2 GiB bf16"

@@ -81,8 +81,9 @@ class TaskType:
     smem_bytes: int = 0               # dynamic shared memory one instance needs
     prefetch: bool = False            # source defines megart_prefetch_<name>(p) (weights to L2)
     prewait: bool = False             # source defines megart_prewait_<name>(p, smem), run before the
-    #                                   instance's waits (loads that need no input), and
-    #                                   megart_drain_<name>(p, smem), run after the body or an abort
+    #                                   instance's waits, and megart_drain_<name>(p, smem), run after the
+    #                                   body or an abort. The prewait may read only what no task of the
+    #                                   launch writes ("weight" params: the graph refuses writers of them)
     smem_for: Callable | None = None  # smem_for(cfg) -> bytes, when it depends on the kernel config
     defines_for: Callable | None = None   # defines_for(cfg) -> {macro: value} this type's source needs
     headers: tuple = ()               # shared device headers the body needs, emitted once per kernel
@@ -158,7 +159,8 @@ def register(t: TaskType, *, builtin: bool = False) -> TaskType:
     _validate(t, builtin)
     old = _BY_NAME.get(t.name)
     if old is not None:
-        if old.id == t.id and old.source == t.source and old.params == t.params:
+        if (old.id, old.source, old.params, old.prewait, old.prefetch) == (t.id, t.source, t.params, t.prewait,
+                                                                            t.prefetch):
             return old
         raise RegistryError(f"task name {t.name!r} is already registered (id {old.id})")
     if t.id in _BY_ID:

@@ -189,26 +189,37 @@ __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs,
 // the producer of its input is still finishing; the body
 // consumes stage j from slot j % slots and refills the slot with stage j + slots. A stage is one row
 // pair's next kStageChunks 16-byte chunks (the same chunks, in the same order, as dot2's registers, so
-// both paths give bit-identical sums). Ring region (at MEGART_DENSE_RING_OFFSET, after x staging):
-// issued[kWarps] (stages issued this instance), kWarps x slots mbarriers, then the slots.
+// both paths give bit-identical sums for finite x). Ring region (at MEGART_DENSE_RING_OFFSET, after x
+// staging; Python computes every size here and passes it in, these asserts only check the C++ agrees):
+// kWarps x slots mbarriers (8-byte aligned: first), issued[kWarps] (stages issued this instance), padding
+// to MEGART_DENSE_RING_HEAD_BYTES, then the slots of MEGART_DENSE_RING_SLOT_BYTES.
 #ifndef MEGART_DENSE_RING_SLOTS
 #define MEGART_DENSE_RING_SLOTS 0
 #endif
-#ifndef MEGART_DENSE_RING_OFFSET
-#define MEGART_DENSE_RING_OFFSET 0
-#endif
 constexpr int kRingSlots = MEGART_DENSE_RING_SLOTS;
 constexpr int kStageChunks = 32 * kUnroll;         // per row per stage: one register batch of dot2
-constexpr int kSlotBytes = 2 * kStageChunks * 16;  // a row pair's stage (mirrored in dense_common.py)
-constexpr int kRingHeadBytes = ((kWarps * 4 + kWarps * (kRingSlots > 0 ? kRingSlots : 1) * 8) + 127) / 128 * 128;
+constexpr int kSlotBytes = 2 * kStageChunks * 16;  // a row pair's stage
+#if MEGART_DENSE_RING_SLOTS > 0
+#if !defined(MEGART_DENSE_RING_OFFSET) || !defined(MEGART_DENSE_RING_HEAD_BYTES) || !defined(MEGART_DENSE_RING_SLOT_BYTES)
+#error "MEGART_DENSE_RING_SLOTS needs the ring layout from megart/tasks/dense_common.py (defines_for): declare the task type with it"
+#endif
+static_assert(MEGART_DENSE_RING_SLOT_BYTES == kSlotBytes, "dense_common.py SLOT_BYTES disagrees with kSlotBytes");
+static_assert(MEGART_DENSE_RING_OFFSET % 128 == 0, "the ring starts 128-byte aligned");
+static_assert(MEGART_DENSE_RING_HEAD_BYTES >= kWarps * kRingSlots * 8 + kWarps * 4 &&
+              MEGART_DENSE_RING_HEAD_BYTES % 128 == 0, "ring head too small");
+constexpr int kRingOffset = MEGART_DENSE_RING_OFFSET, kRingHeadBytes = MEGART_DENSE_RING_HEAD_BYTES;
+#else
+constexpr int kRingOffset = 0, kRingHeadBytes = 0;
+#endif
 
-__device__ __forceinline__ int* ring_issued(char* smem) { return reinterpret_cast<int*>(smem + MEGART_DENSE_RING_OFFSET); }
 __device__ __forceinline__ unsigned long long* ring_bar(char* smem, int warp, int slot) {
-  return reinterpret_cast<unsigned long long*>(smem + MEGART_DENSE_RING_OFFSET + kWarps * 4) + warp * kRingSlots + slot;
+  return reinterpret_cast<unsigned long long*>(smem + kRingOffset) + warp * kRingSlots + slot;
+}
+__device__ __forceinline__ int* ring_issued(char* smem) {
+  return reinterpret_cast<int*>(smem + kRingOffset + kWarps * kRingSlots * 8);
 }
 __device__ __forceinline__ const uint4* ring_slot(char* smem, int warp, int slot) {
-  return reinterpret_cast<const uint4*>(smem + MEGART_DENSE_RING_OFFSET + kRingHeadBytes +
-                                        (size_t)(warp * kRingSlots + slot) * kSlotBytes);
+  return reinterpret_cast<const uint4*>(smem + kRingOffset + kRingHeadBytes + (size_t)(warp * kRingSlots + slot) * kSlotBytes);
 }
 
 // mbarrier and bulk-copy primitives (the host simulation copies at once and never waits).
@@ -240,12 +251,25 @@ __device__ __forceinline__ void bulk_load(const void* dst, const void* src, unsi
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(b)) : "memory");
 }
 #else
-inline void mbar_init(unsigned long long* b) { *b = 0; }
+// Host simulation: a copy lands at once, so *b counts the barrier's completed phases; a wait on a phase
+// that has not completed would block forever on the device, and is reported (megart_host_fault).
+inline void mbar_init(unsigned long long* b) {
+  if (reinterpret_cast<uintptr_t>(b) % 8) megart_host_fault("mbarrier not 8-byte aligned");
+  *b = 0;
+}
 inline void mbar_inval(unsigned long long* b) { *b = ~0ull; }
 inline void mbar_init_fence() {}
-inline void mbar_expect(unsigned long long*, unsigned) {}
-inline void mbar_wait(unsigned long long*, unsigned) {}
+inline void mbar_expect(unsigned long long* b, unsigned) {
+  if (*b == ~0ull) megart_host_fault("arrive on an invalidated mbarrier");
+  ++*b;
+}
+inline void mbar_wait(unsigned long long* b, unsigned parity) {
+  if (*b == ~0ull) megart_host_fault("wait on an invalidated mbarrier");
+  if ((*b & 1) == (parity & 1)) megart_host_fault("mbarrier wait on a phase that never completes");
+}
 inline void bulk_load(const void* dst, const void* src, unsigned bytes, unsigned long long*) {
+  if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16 || bytes % 16 || !bytes)
+    megart_host_fault("bulk copy address or size not a 16-byte multiple");
   std::memcpy(const_cast<void*>(dst), src, bytes);
 }
 #endif

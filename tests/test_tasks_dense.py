@@ -606,7 +606,7 @@ def test_weight_ring_is_bit_identical_to_the_register_path(n, k, tiles):
     w8, s8 = geo.quantize_fp8_per_channel(w)
     g, res = geo.norm_weight(k, seed=5), geo.dense_m1(1, n, seed=6)[1]
     outs = {}
-    for threads, slots in ((256, 0), (256, 2), (256, 3), (128, 0), (128, 4)):
+    for threads, slots in ((256, 0), (256, 2), (256, 3), (128, 0), (128, 4), (96, 0), (96, 3)):
         pk = megart.PersistentKernel(nw=tiles, device="cpu", threads=threads,
                                      defines={"MEGART_DENSE_RING_SLOTS": slots})
         X, G, W = pk.tensor(x, "x"), pk.tensor(g, "g"), pk.tensor(w, "w")
@@ -624,7 +624,7 @@ def test_weight_ring_is_bit_identical_to_the_register_path(n, k, tiles):
         assert ("MEGART_DENSE_RING_SLOTS " + str(slots)) in pk.source.text
         outs[threads, slots] = {kk: v.clone() for kk, v in dense_hostsim.run(pk).items()}
     assert geo.relerr(outs[256, 0]["y"], geo.ref_gemv(w, x, norm_weight=g, residual=res)) < 1e-2
-    for threads, slots in ((256, 2), (256, 3), (128, 4)):
+    for threads, slots in ((256, 2), (256, 3), (128, 4), (96, 3)):   # (96: an odd warp count)
         for name in ("y", "y8", "h", "pv", "pi", "logits"):
             assert torch.equal(outs[threads, slots][name], outs[threads, 0][name]), (threads, slots, name)
 
@@ -646,3 +646,27 @@ def test_weight_ring_sizing():
             x=pk.tensor(x, "x"), tiles=4)
     with pytest.raises(megart.errors.ResidencyError, match="shared memory"):
         pk.compile()
+
+
+def test_hostsim_catches_a_ring_wait_that_would_never_return(tmp_path):
+    """The host model of the mbarriers counts completed phases: waiting on the wrong parity (a device
+    hang) is reported, not silently passed because the host copies land at once."""
+    src = _broken(tmp_path, "mbar_wait(ring_bar(smem, warp, slot), (unsigned)((j / kRingSlots) & 1));",
+                  "mbar_wait(ring_bar(smem, warp, slot), (unsigned)(((j / kRingSlots) + 1) & 1));")
+    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines={"MEGART_DENSE_RING_SLOTS": 2})
+    w, x = geo.dense_m1(16, 64, seed=1)
+    pk.task("gemv_m1", y=pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
+            x=pk.tensor(x, "x"))
+    pk.compile()
+    with pytest.raises(dense_hostsim.HostSimError, match="never completes"):
+        dense_hostsim.run(pk)
+
+
+def test_prewait_and_drain_are_dispatched_for_the_ring_types_only():
+    from megart import codegen, registry
+    src = codegen.generate(registry.all_types(), codegen.KernelConfig()).text
+    for name in ("gemv_m1", "gemv_m1_fp8", "gate_up_silu", "lm_head_argmax"):
+        t = registry.get(name)
+        assert f"case {t.id}: megart_prewait_{name}(" in src and f"case {t.id}: megart_drain_{name}(" in src
+    assert "megart_prewait_group_gemm_m1" not in src
+    assert "#define MEGART_DENSE_RING_SLOTS 0" in src and "#define MEGART_DENSE_RING_OFFSET" not in src

@@ -44,13 +44,17 @@ def ring_slots(cfg) -> int:
     return int({**env_defines(), **cfg.defines}.get("MEGART_DENSE_RING_SLOTS", 0))
 
 
+def ring_head_bytes(threads: int, slots: int) -> int:
+    """mbarriers (8 B per warp and slot) and issued counts (4 B per warp), padded to 128 bytes."""
+    warps = threads // 32
+    return -(-(warps * slots * 8 + warps * 4) // 128) * 128
+
+
 def ring_bytes(threads: int, slots: int) -> int:
-    """Shared memory of the ring: issued counts and mbarriers (kRingHeadBytes), then the slots."""
+    """Shared memory of the ring: the head, then warps x slots stages."""
     if slots <= 0:
         return 0
-    warps = threads // 32
-    head = -(-(warps * 4 + warps * slots * 8) // 128) * 128
-    return head + warps * slots * SLOT_BYTES
+    return ring_head_bytes(threads, slots) + (threads // 32) * slots * SLOT_BYTES
 
 
 def smem_for(cfg) -> int:
@@ -59,7 +63,13 @@ def smem_for(cfg) -> int:
 
 
 def defines_for(cfg) -> dict:
-    return {"MEGART_DENSE_RING_SLOTS": ring_slots(cfg), "MEGART_DENSE_RING_OFFSET": RING_OFFSET}
+    """The ring's layout for tasks/dense_common.cuh (which static_asserts what it can check)."""
+    slots = ring_slots(cfg)
+    if slots <= 0:
+        return {"MEGART_DENSE_RING_SLOTS": 0}
+    return {"MEGART_DENSE_RING_SLOTS": slots, "MEGART_DENSE_RING_OFFSET": RING_OFFSET,
+            "MEGART_DENSE_RING_HEAD_BYTES": ring_head_bytes(cfg.threads, slots),
+            "MEGART_DENSE_RING_SLOT_BYTES": SLOT_BYTES}
 
 
 def ref(task: str, value, name: str) -> TensorRef:

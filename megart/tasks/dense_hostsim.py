@@ -129,6 +129,12 @@ inline void trampoline() {
 }  // namespace hostsim
 
 inline void __syncthreads() { hostsim::arrive(hostsim::block); }
+// A device-side misuse the simulation can see (misaligned mbarrier, a wait that would never return): the
+// first one is kept and the run reports it.
+inline const char* megart_hs_fault = nullptr;
+inline void megart_host_fault(const char* what) {
+  if (!megart_hs_fault) megart_hs_fault = what;
+}
 inline void __syncwarp(unsigned = 0xffffffffu) { hostsim::arrive(hostsim::warps[threadIdx.x >> 5]); }
 
 // Full-warp shuffle: one barrier per call; alternating buffers keep a lane that runs ahead into the
@@ -184,6 +190,7 @@ extern "C" int megart_hostsim_run(int type_id, const unsigned long long* params,
   using namespace hostsim;
   const void* P = params;
   megart::prefetched = 0;
+  megart_hs_fault = nullptr;
   switch (type_id) {
 %CASES%
     default: return -2;
@@ -220,8 +227,9 @@ extern "C" int megart_hostsim_run(int type_id, const unsigned long long* params,
     if (live > 0 && progress == before) return -1;
   }
   *prefetched = megart::prefetched;
-  return 0;
+  return megart_hs_fault ? -3 : 0;
 }
+extern "C" const char* megart_hostsim_fault() { return megart_hs_fault ? megart_hs_fault : ""; }
 """
 
 
@@ -314,6 +322,7 @@ def library(types: list | None = None, threads: int = 256, overrides: dict | Non
     lib.megart_hostsim_run.restype = ctypes.c_int
     lib.megart_hostsim_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
                                        ctypes.c_void_p]
+    lib.megart_hostsim_fault.restype = ctypes.c_char_p
     _LIBS[key] = lib
     return lib
 
@@ -336,13 +345,8 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
     dense_ids = {t.id for t in dense_types()}
     from .dense_common import HEADERS
     overrides = {k: v for k, v in pk.source_overrides.items() if k in {t.name for t in dense_types()} | set(HEADERS)}
-    cfg = pk.kernel_config()
-    defines = {}
-    for t in dense_types():                # the macros codegen gives these bodies in this kernel
-        if t.defines_for:
-            defines.update(t.defines_for(cfg))
-    from ..codegen import env_defines
-    defines.update({**env_defines(), **cfg.defines})
+    from ..codegen import kernel_defines
+    defines = kernel_defines(dense_types(), pk.kernel_config())   # the macros codegen gives these bodies
     lib = library(None, pk.threads, overrides, defines)
     desc, _ = pack_descriptors(s)
     off = header_offsets()
@@ -369,6 +373,8 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
                                     rng.getrandbits(32), ctypes.addressof(pref))
         if rc == -1:
             raise HostSimError(f"{inst.label()}: threads stuck at a barrier some threads never reach")
+        if rc == -3:
+            raise HostSimError(f"{inst.label()}: {lib.megart_hostsim_fault().decode()}")
         if rc != 0:
             raise HostSimError(f"{inst.label()}: no host body for task id {inst.type.id}")
         run.prefetched[uid] = pref.value
