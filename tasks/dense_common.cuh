@@ -36,20 +36,6 @@ constexpr unsigned long long kPrefetchBytes = 64ull << 10;
 #endif
 static_assert(kWarps <= 32, "dense tasks assume at most 32 warps");
 
-// Preload (MEGART_DENSE_PRELOAD, on by default): the first batch of each warp's weights does not
-// depend on x, so its loads are issued before x is staged (a round trip, plus the RMSNorm's block
-// reductions) and are in flight meanwhile. Not where registers are scarce (2 x kUnroll uint4 stay live
-// across the staging): 512+ threads or two CTAs per SM.
-#ifndef MEGART_DENSE_PRELOAD
-#define MEGART_DENSE_PRELOAD 1
-#endif
-#ifdef MEGART_MIN_BLOCKS
-constexpr bool kPreload = MEGART_DENSE_PRELOAD && MEGART_THREADS * MEGART_MIN_BLOCKS < 512;
-#else
-constexpr bool kPreload = MEGART_DENSE_PRELOAD && MEGART_THREADS < 512;
-#endif
-constexpr int kPreUnroll = kUnroll / 2;  // preloaded chunks per row: 16 registers per row live across staging
-
 // ---- loads ----------------------------------------------------------------------------------
 // Read-only weights: non-coherent path, no L1 allocation (streamed once), 256-byte L2 sectors.
 // (Without __CUDA_ARCH__ this is the host simulation of megart/tasks/dense_hostsim.py: a plain load.)
@@ -162,40 +148,9 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
 }
 
 // ---- warp dot products ---------------------------------------------------------------------------
-// One batch of a lane's weight loads: chunks c + 32u (u < kUnroll) of both rows, zero past c1.
-__device__ __forceinline__ void load_batch(const uint4* w0, const uint4* w1, int c, int c1, uint4 (&wa)[kUnroll],
-                                           uint4 (&wb)[kUnroll]) {
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const bool live = c + 32 * u < c1;
-    wa[u] = live ? ld_weight(w0 + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
-    wb[u] = live ? ld_weight(w1 + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-
-// acc[] += that batch . the staged x chunks (past c1 the zero weights meet a valid x chunk).
-template <bool FP8>
-__device__ __forceinline__ void dot_batch(const uint4 (&wa)[kUnroll], const uint4 (&wb)[kUnroll], const uint4* xs,
-                                          int c, int c1, float (&acc)[2]) {
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int cx = min(c + 32 * u, c1 - 1);
-    if constexpr (FP8) {  // one chunk = 16 e4m3 weights = two staged bf16 x chunks
-      const uint4 x0 = xs[2 * cx], x1 = xs[2 * cx + 1];
-      acc[0] = dot16_fp8(wa[u], x0, x1, acc[0]);
-      acc[1] = dot16_fp8(wb[u], x0, x1, acc[1]);
-    } else {
-      float xf[8];
-      unpack8(xs[cx], xf);
-      acc[0] = dot8(wa[u], xf, acc[0]);
-      acc[1] = dot8(wb[u], xf, acc[1]);
-    }
-  }
-}
-
 // acc[r] += this lane's share of w_r[c0:c1) . xs[c0:c1) (in 16-byte weight chunks; warp_sum after).
 // Both rows share each staged x chunk; 2 * kUnroll 16-byte weight loads per lane are in flight
-// before the first FMA.
+// before the first FMA. Past c1 the weights load as zero against a valid x chunk (no branches).
 template <bool FP8>
 __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs, int c0, int c1, float (&acc)[2]) {
   const int lane = threadIdx.x & 31;
@@ -224,35 +179,6 @@ __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs,
       }
     }
   }
-}
-
-// dot2 whose first batch's first kPreUnroll chunks per row (c0 + lane + 32u, u < kPreUnroll) `pre`
-// already holds (see kPreload), if given; the rest of that batch is loaded here as dot2 would.
-template <bool FP8>
-__device__ __forceinline__ void dot2_first(const void* const (&w)[2], const uint4* xs, int c0, int c1, float (&acc)[2],
-                                           const uint4 (*pre)[2][kPreUnroll]) {
-  if (pre != nullptr) {
-    const int c = c0 + (int)(threadIdx.x & 31);
-    if (c < c1) {
-      const uint4* w0 = static_cast<const uint4*>(w[0]);
-      const uint4* w1 = static_cast<const uint4*>(w[1]);
-      uint4 wa[kUnroll], wb[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (u < kPreUnroll) {
-          wa[u] = (*pre)[0][u];
-          wb[u] = (*pre)[1][u];
-        } else {
-          const bool live = c + 32 * u < c1;
-          wa[u] = live ? ld_weight(w0 + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
-          wb[u] = live ? ld_weight(w1 + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-      dot_batch<FP8>(wa, wb, xs, c, c1, acc);
-    }
-    c0 += 32 * kUnroll;
-  }
-  dot2<FP8>(w, xs, c0, c1, acc);
 }
 
 // ---- weight ring: TMA bulk copies of weight stages into shared memory -----------------------------
@@ -517,20 +443,15 @@ __device__ __forceinline__ void matvec_ring(int groups, int kc, const uint4* xs,
 // groups >= warps: each warp owns whole groups (g = warp, warp + kWarps, ...). Fewer groups than
 // warps: the idle warps split K instead (kWarps / groups warps per group, partial sums combined in
 // `red`, 2 floats per warp, in a fixed order), so a small instance still has every warp streaming.
-// `pre`: the first batch of the warp's first segment (warp_segment k = 0), already loaded.
-template <bool FP8, class Rows, class Epi, bool PRE = false>
-__device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, float* red, Rows rows, Epi epi,
-                                       const uint4 (*pre)[2][kPreUnroll] = nullptr) {
+template <bool FP8, class Rows, class Epi>
+__device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, float* red, Rows rows, Epi epi) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (groups >= kWarps) {
     for (int g = warp; g < groups; g += kWarps) {
       const void* w[2];
       rows(g, w);
       float s[2] = {0.f, 0.f};
-      if constexpr (PRE)
-        dot2_first<FP8>(w, xs, 0, kc, s, g == warp ? pre : nullptr);
-      else
-        dot2<FP8>(w, xs, 0, kc, s);
+      dot2<FP8>(w, xs, 0, kc, s);
       epi(g, warp_sum(s[0]), warp_sum(s[1]));
     }
     return;
@@ -540,11 +461,7 @@ __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, floa
   if (g < groups) {
     const void* w[2];
     rows(g, w);
-    const int c0 = (int)((long long)kc * part / split), c1 = (int)((long long)kc * (part + 1) / split);
-    if constexpr (PRE)
-      dot2_first<FP8>(w, xs, c0, c1, s, pre);
-    else
-      dot2<FP8>(w, xs, c0, c1, s);
+    dot2<FP8>(w, xs, (int)((long long)kc * part / split), (int)((long long)kc * (part + 1) / split), s);
     s[0] = warp_sum(s[0]);
     s[1] = warp_sum(s[1]);
   }
@@ -575,51 +492,15 @@ template <class Rows>
 __device__ __forceinline__ void ring_fill(const MatvecPlan<Rows>& m, char* smem) {
   ring_fill(m.groups, m.kc, m.rows, smem);
 }
-
-// The body of a GEMV-type task: stage x (stage_x with `sx`; every thread, ends synced), then the matvec
-// of plan(p). Weights come from the ring the prewait filled (MEGART_DENSE_RING_SLOTS > 0), else through
-// registers: with kPreload the first kPreUnroll chunks per row of each warp's first batch are loaded
-// before the staging, else the plan is built only after it (fewer registers live across it; the
-// 128-register builds spill otherwise). All paths give bit-identical sums.
-struct XStage {
-  const __nv_bfloat16* x;
-  const __nv_bfloat16* g;
-  int k;
-  bool norm;
-  float eps;
-};
-template <bool FP8, class Plan, class P, class Epi>
-__device__ __forceinline__ void matvec_staged(Plan plan, const P& p, const XStage& sx, uint4* xs, float* red, Epi epi,
-                                              char* smem) {
-  if constexpr (kRingSlots > 0) {
-    stage_x(sx.x, sx.g, sx.k, sx.norm, sx.eps, xs, red);
-    const auto m = plan(p);
+// The body side of a task with a prewait: weights from the ring it filled, or through registers when
+// this kernel has no ring (MEGART_DENSE_RING_SLOTS == 0: the prewait did nothing).
+template <bool FP8, class Rows, class Epi>
+__device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
+                                                 char* smem) {
+  if constexpr (kRingSlots > 0)
     matvec_ring<FP8>(m.groups, m.kc, xs, red, m.rows, epi, smem);
-  } else if constexpr (kPreload) {
-    const auto m = plan(p);
-    uint4 pre[2][kPreUnroll];
-    Segment sg;
-    const bool have = warp_segment(m.groups, m.kc, threadIdx.x >> 5, 0, sg);
-    if (have) {
-      const void* w[2];
-      m.rows(sg.g, w);
-      const uint4* w0 = static_cast<const uint4*>(w[0]);
-      const uint4* w1 = static_cast<const uint4*>(w[1]);
-      const int c = sg.c0 + (int)(threadIdx.x & 31);
-#pragma unroll
-      for (int u = 0; u < kPreUnroll; ++u) {
-        const bool live = c + 32 * u < sg.c1;
-        pre[0][u] = live ? ld_weight(w0 + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
-        pre[1][u] = live ? ld_weight(w1 + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-    stage_x(sx.x, sx.g, sx.k, sx.norm, sx.eps, xs, red);
-    matvec<FP8, decltype(m.rows), Epi, true>(m.groups, m.kc, xs, red, m.rows, epi, have ? &pre : nullptr);
-  } else {
-    stage_x(sx.x, sx.g, sx.k, sx.norm, sx.eps, xs, red);
-    const auto m = plan(p);
+  else
     matvec<FP8>(m.groups, m.kc, xs, red, m.rows, epi);
-  }
 }
 
 // Row pairs (2g, 2g + 1) of a row-major W with n rows of `row_bytes`.

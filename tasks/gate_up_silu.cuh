@@ -19,9 +19,9 @@ __device__ __forceinline__ void megart_task_gate_up_silu(const P& p, char* smem)
   using namespace megart;
   using namespace megart::dense;
   uint4* xs = xs_of(smem);
-  const XStage sx{p.x, p.norm_weight, p.k, (p.flags & kFlagNorm) != 0, p.eps};
-  matvec_staged<false>(plan_gate_up_silu<P>, p, sx, xs, scratch_of(smem), [&](int g, float gate, float up) {
-    const int lane = threadIdx.x & 31;  // (computed here: fewer registers live across x staging)
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const int lane = threadIdx.x & 31;
+  matvec_prewaited<false>(plan_gate_up_silu(p), xs, scratch_of(smem), [&](int g, float gate, float up) {
     if (lane == 0) p.h[g] = __float2bfloat16_rn(silu(gate) * up);
   }, smem);
 }

@@ -11,13 +11,14 @@ __device__ __forceinline__ void megart_task_lm_head_argmax(const P& p, char* sme
   using namespace megart;
   using namespace megart::dense;
   uint4* xs = xs_of(smem);
-  const XStage sx{p.x, p.norm_weight, p.k, (p.flags & kFlagNorm) != 0, p.eps};
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const bool store = p.flags & kFlagLogits;
+  const int lane = threadIdx.x & 31;
   float bv = neg_inf();
   int bi = kNoIndex;
-  matvec_staged<false>(plan_lm_head_argmax<P>, p, sx, xs, scratch_of(smem), [&](int g, float a, float b) {
-    const int lane = threadIdx.x & 31;  // (computed here: fewer registers live across x staging)
+  matvec_prewaited<false>(plan_lm_head_argmax(p), xs, scratch_of(smem), [&](int g, float a, float b) {
     const int r = 2 * g;
-    if ((p.flags & kFlagLogits) && lane < 2 && r + lane < p.n) p.logits[r + lane] = lane ? b : a;
+    if (store && lane < 2 && r + lane < p.n) p.logits[r + lane] = lane ? b : a;
     a = nan_low(a);
     if (better(a, p.row0 + r, bv, bi)) { bv = a; bi = p.row0 + r; }
     if (r + 1 < p.n) {
