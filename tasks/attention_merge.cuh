@@ -4,9 +4,9 @@
 // out = sum_c w_c o_c / L (0 when every chunk is empty). One thread per (head, dim).
 // With kMergeBatch > 0 and up to that many chunks (the default split: nw / n_kv = 16) every load is issued
 // before the first use, so the merge costs one memory round trip instead of two dependent passes; the
-// arithmetic is the same, in the same order. (Measured in the Llama-1B step: 50 vs 51 us over 16 layers,
-// bench/RESULTS.md: the loads were not what the merge waits for.) Off where registers are scarce (128-register builds, 128
-// threads): there the unrolled batch made ptxas spill.
+// arithmetic is the same, in the same order. Measured in the Llama-1B step it did not shorten the merge
+// (50 vs 51 us over 16 layers, bench/RESULTS.md). Off where registers are scarce (128-register builds,
+// 128 threads): there the unrolled batch made ptxas spill.
 // (shared helpers: tasks/attention_common.cuh)
 
 namespace megart_attn {
