@@ -84,3 +84,18 @@ def test_parse_ptxas_report():
     r = parse_ptxas(log, "megart_kernel")
     assert (r.registers, r.stack_bytes, r.spill_stores, r.spill_loads, r.smem_bytes, r.barriers) == (77, 24, 8, 12, 592, 1)
     assert r.spill_bytes == 20
+
+
+def test_kernel_defines_types_first_then_the_callers_macros():
+    """A type's own macros (defines_for) come from the same config its shared memory is sized with; the
+    caller's macros override them, and the sizes follow the override."""
+    from megart.tasks import dense_common
+    types = [registry.get("gemv_m1"), registry.get("attention_decode")]
+    plain = codegen.kernel_defines(types, codegen.KernelConfig())
+    assert plain["MEGART_DENSE_RING_SLOTS"] == 0 and "MEGART_DENSE_RING_OFFSET" not in plain
+    assert plain["MEGART_ATTN_RING_BYTES"] == 64 * 1024
+    cfg = codegen.KernelConfig(defines={"MEGART_DENSE_RING_SLOTS": 2, "MEGART_ATTN_RING_BYTES": 0})
+    asked = codegen.kernel_defines(types, cfg)
+    assert asked["MEGART_DENSE_RING_SLOTS"] == 2 and asked["MEGART_ATTN_RING_BYTES"] == 0
+    assert asked["MEGART_DENSE_RING_OFFSET"] == dense_common.RING_OFFSET
+    assert registry.get("gemv_m1").shared_bytes(cfg) == dense_common.smem_for(cfg) > dense_common.STAGE_SMEM
