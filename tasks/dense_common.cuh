@@ -181,6 +181,27 @@ __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs,
   }
 }
 
+// Split-K tail of a matvec (groups < kWarps): every warp's summed partials go to `red`, then warp
+// g < groups adds the kWarps / groups partials of its group in a fixed order and runs epi. Ends synced.
+template <class Epi>
+__device__ __forceinline__ void combine_split(const float (&s)[2], int groups, float* red, Epi epi) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, split = kWarps / groups;
+  if (lane == 0) {
+    red[2 * warp] = s[0];
+    red[2 * warp + 1] = s[1];
+  }
+  __syncthreads();
+  if (warp < groups) {
+    float a = 0.f, b = 0.f;
+    for (int q = 0; q < split; ++q) {
+      a += red[2 * (warp * split + q)];
+      b += red[2 * (warp * split + q) + 1];
+    }
+    epi(warp, a, b);
+  }
+  __syncthreads();
+}
+
 // ---- weight ring: TMA bulk copies of weight stages into shared memory -----------------------------
 // With MEGART_DENSE_RING_SLOTS > 0 (a kernel macro, off by default: see megart/tasks/dense_common.py
 // for the measurements) a task that declares a prewait streams its weights through a per-warp ring
@@ -416,25 +437,11 @@ __device__ __forceinline__ void matvec_ring(int groups, int kc, const uint4* xs,
     }
     return;
   }
-  const int split = kWarps / groups;
   float s[2] = {0.f, 0.f};
   if (st.live) consume_segment(s);  // one K slice per warp; empty when kc < split
   s[0] = warp_sum(s[0]);
   s[1] = warp_sum(s[1]);
-  if (lane == 0) {
-    red[2 * warp] = s[0];
-    red[2 * warp + 1] = s[1];
-  }
-  __syncthreads();
-  if (warp < groups) {
-    float a = 0.f, b = 0.f;
-    for (int q = 0; q < split; ++q) {
-      a += red[2 * (warp * split + q)];
-      b += red[2 * (warp * split + q) + 1];
-    }
-    epi(warp, a, b);
-  }
-  __syncthreads();
+  combine_split(s, groups, red, epi);
 }
 
 // Matrix-vector over `groups` row pairs: rows(g, ptr) names the two weight rows of group g (the same
@@ -445,7 +452,7 @@ __device__ __forceinline__ void matvec_ring(int groups, int kc, const uint4* xs,
 // `red`, 2 floats per warp, in a fixed order), so a small instance still has every warp streaming.
 template <bool FP8, class Rows, class Epi>
 __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, float* red, Rows rows, Epi epi) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   if (groups >= kWarps) {
     for (int g = warp; g < groups; g += kWarps) {
       const void* w[2];
@@ -456,7 +463,7 @@ __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, floa
     }
     return;
   }
-  const int split = kWarps / groups, g = warp / split, part = warp - g * split;
+  const int split = kWarps / groups, g = warp / split, part = warp - g * split;  // (warp_segment's split)
   float s[2] = {0.f, 0.f};
   if (g < groups) {
     const void* w[2];
@@ -465,20 +472,7 @@ __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, floa
     s[0] = warp_sum(s[0]);
     s[1] = warp_sum(s[1]);
   }
-  if (lane == 0) {
-    red[2 * warp] = s[0];
-    red[2 * warp + 1] = s[1];
-  }
-  __syncthreads();
-  if (warp < groups) {
-    float a = 0.f, b = 0.f;
-    for (int q = 0; q < split; ++q) {
-      a += red[2 * (warp * split + q)];
-      b += red[2 * (warp * split + q) + 1];
-    }
-    epi(warp, a, b);
-  }
-  __syncthreads();
+  combine_split(s, groups, red, epi);
 }
 
 // A matvec's work: `groups` row pairs of `kc` 16-byte chunks each, rows named by `rows`. A task with a

@@ -580,9 +580,8 @@ def test_hostsim_catches_a_divergent_barrier(tmp_path, ring):
         src = _broken(tmp_path, "  int j = 0;\n  auto consume_segment",
                       "  int j = 0;\n  if (threadIdx.x == 3) return;\n  auto consume_segment")
     else:       # the register engine (matvec)
-        src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;\n  if (groups >= kWarps) {",
-                      "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;\n  if (threadIdx.x == 3) return;\n"
-                      "  if (groups >= kWarps) {")
+        src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5;\n  if (groups >= kWarps) {",
+                      "  const int warp = threadIdx.x >> 5;\n  if (threadIdx.x == 3) return;\n  if (groups >= kWarps) {")
     pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines={"MEGART_DENSE_RING_SLOTS": ring})
     w, x = geo.dense_m1(16, 64, seed=1)
     pk.task("gemv_m1", y=pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
