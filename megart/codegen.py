@@ -33,6 +33,11 @@ def env_defines() -> dict:
     return out
 
 
+def caller_macros(cfg: KernelConfig) -> dict:
+    """The macros the caller asked for: MEGART_DEFINES, overridden by the kernel's own `defines`."""
+    return {**env_defines(), **cfg.defines}
+
+
 def kernel_defines(types: list[TaskType], cfg: KernelConfig) -> dict:
     """The macros a kernel of `types` is compiled with: each type's own (defines_for) first, then
     MEGART_DEFINES, then the kernel's `defines`, so the caller's tuning macros win."""
@@ -40,7 +45,7 @@ def kernel_defines(types: list[TaskType], cfg: KernelConfig) -> dict:
     for t in types:
         if t.defines_for:
             out.update(t.defines_for(cfg))
-    out.update({**env_defines(), **cfg.defines})
+    out.update(caller_macros(cfg))
     return out
 
 

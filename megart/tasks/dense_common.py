@@ -40,8 +40,8 @@ def ring_slots(cfg) -> int:
     """Ring slots per warp: MEGART_DENSE_RING_SLOTS from the kernel's or the process's macros, else 0
     (the register engine). More slots than shared memory holds fail the co-residency check, naming
     shared memory (3 fit at 256 threads and one CTA per SM; none fit at two CTAs per SM)."""
-    from ..codegen import env_defines
-    return int({**env_defines(), **cfg.defines}.get("MEGART_DENSE_RING_SLOTS", 0))
+    from ..codegen import caller_macros
+    return int(caller_macros(cfg).get("MEGART_DENSE_RING_SLOTS", 0))
 
 
 def ring_head_bytes(threads: int, slots: int) -> int:
