@@ -331,6 +331,30 @@ def bench_config(name: str, args, bw: float, device, out_dir: Path, compile_left
     return res
 
 
+def fixed_cost(name: str, args, bw: float, device) -> dict:
+    """Fixed cost per layer: the same shape at L and 2L layers, megart only.
+    (t(2L) - t(L) - (bytes(2L) - bytes(L)) / bandwidth) / L: what a layer costs beyond its bytes."""
+    import dataclasses
+    base = llama.config(name)
+    timer = Timer(device)
+    rows = []
+    for layers in (base.layers, 2 * base.layers):
+        cfg = dataclasses.replace(base, layers=layers, name=f"{base.name}_L{layers}")
+        W = llama.make_weights(cfg, 0, device)
+        prefix = llama.make_kv_cache(cfg, 1, device)
+        m = llama.LlamaModel(cfg, W, prefix, nw=args.nw, device=device)
+        us = median(time_megart(m, timer, args.steps))
+        mid = cfg.prefill + min(args.steps, cfg.max_seq - cfg.prefill) // 2
+        rows.append(dict(layers=layers, megart_us=us, bytes_per_step=cfg.bytes_per_step(mid)))
+        del m, W, prefix
+        torch.cuda.empty_cache()
+    (a, b), L = rows, base.layers
+    fixed = (b["megart_us"] - a["megart_us"] - (b["bytes_per_step"] - a["bytes_per_step"]) / bw * 1e6) / L
+    log(f"[{name}] fixed cost per layer {fixed:.1f} us ({a['layers']} layers {a['megart_us']:.1f} us, "
+        f"{b['layers']} layers {b['megart_us']:.1f} us)")
+    return dict(config=name, fixed_us_per_layer=fixed, runs=rows)
+
+
 def summary(results: list, bw: float, bw_how: str) -> str:
     f = lambda v, p=0: "-" if v is None or v != v else f"{v:,.{p}f}"  # noqa: E731
     head = ("config", "floor us", "eager", "graphed", "compiled", "megart us", "tok/s", "x floor", "vs graph",
@@ -362,6 +386,8 @@ def main(argv=None):
     ap.add_argument("--compile-timeout", type=float, default=150.0, help="seconds per torch.compile mode")
     ap.add_argument("--compile-budget", type=float, default=170.0, help="seconds for all torch.compile runs")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--fixed-cost", default="1b,small",
+                    help="configs whose fixed cost per layer is measured (L vs 2L layers; '' for none; GPU only)")
     ap.add_argument("--_compile-worker", nargs=3, metavar=("CONFIG", "MODE", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._compile_worker:
@@ -381,12 +407,22 @@ def main(argv=None):
     t0 = time.time()
     bw, bw_how = hbm_bandwidth(device)
     log(f"HBM read bandwidth {bw / 1e12:.3f} TB/s ({bw_how})")
-    results, compile_used = [], [0.0]
-    for name in args.configs:
-        results.append(bench_config(name, args, bw, device, out_dir, compile_used))
+    results, compile_used, fixed = [], [0.0], []
+
+    def save():
         (out_dir / "llama_decode.json").write_text(json.dumps(dict(
             bandwidth=bw, bandwidth_how=bw_how, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            torch=torch.__version__, results=results), indent=1, default=str))
+            torch=torch.__version__, results=results, fixed_cost=fixed), indent=1, default=str))
+    for name in args.configs:
+        results.append(bench_config(name, args, bw, device, out_dir, compile_used))
+        save()
+    if device.type == "cuda":
+        for name in filter(None, args.fixed_cost.split(",")):
+            fixed.append(fixed_cost(name, args, bw, device))
+            for r in results:
+                if r["config"] == name:
+                    r["fixed_us_per_layer"] = fixed[-1]["fixed_us_per_layer"]
+            save()
     log(f"total {time.time() - t0:.0f} s; results in {out_dir}")
     print(summary(results, bw, bw_how))
     return 0

@@ -32,6 +32,18 @@ __device__ __forceinline__ void signal_event(unsigned* events, int ev) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(events + ev) : "memory");
 }
 
+// The CTA's compute threads (MEGART_THREADS) synchronise here. With the weight stream a producer warp
+// runs beside them and never joins: barrier 1 counts the compute threads only, and codegen maps
+// __syncthreads() onto this in such kernels, so task bodies need not know. Bodies size their loops by
+// MEGART_THREADS, never blockDim.x (which counts the producer warp).
+__device__ __forceinline__ void cta_sync() {
+#if defined(MEGART_STREAM_SLOTS) && MEGART_STREAM_SLOTS > 0
+  asm volatile("bar.sync 1, %0;" ::"n"(MEGART_THREADS) : "memory");
+#else
+  __syncthreads();
+#endif
+}
+
 struct WaitSite {
   int worker, queue_pos, type, instance;
 };

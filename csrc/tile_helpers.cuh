@@ -16,7 +16,7 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // Sum over the whole CTA; `scratch` needs one float per warp. Every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nwarp = MEGART_THREADS >> 5;
   v = warp_sum(v);
   __syncthreads();
   if (lane == 0) scratch[wid] = v;

@@ -2,6 +2,10 @@
 // waits on the instance's events (acquire), the whole CTA runs the body, then thread 0 counts the
 // instance's events up (release). Included after the generated megart_dispatch/megart_prefetch.
 //
+// With the weight stream on (csrc/weight_stream.cuh) the CTA has one more warp, the producer, which
+// streams every compute warp's weight stages across instance boundaries; it leaves the loop below to
+// the MEGART_THREADS compute threads and meets them again at the end.
+//
 // A task type with a prewait (dense GEMVs: weights into a shared-memory ring) starts loads that need no
 // input before the wait, and drains them after its body, so the next instance finds shared memory idle.
 //
@@ -17,19 +21,18 @@ __device__ __forceinline__ void signal_all(const TaskDesc& d, unsigned* events) 
 }
 
 __device__ __forceinline__ void stage_words(TaskDesc& dst, const TaskDesc& src) {
-  for (int k = threadIdx.x; k < kDescWords; k += blockDim.x)
+  for (int k = threadIdx.x; k < kDescWords; k += MEGART_THREADS)
     reinterpret_cast<unsigned long long*>(&dst)[k] = reinterpret_cast<const unsigned long long*>(&src)[k];
 }
 
-__device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
-                                       unsigned* events, long long* ctrl, long long* spans, long long watchdog_ns,
-                                       char* smem) {
+// The compute threads' whole launch: worker w's queue [q0, q1).
+__device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
+                                        unsigned* events, long long* ctrl, long long* spans, long long watchdog_ns,
+                                        char* smem, int w, int q0, int q1) {
   static_assert(kDescWords <= MEGART_THREADS, "one thread stages one descriptor word");
   __shared__ long long s_gen;
   __shared__ int s_go;
   __shared__ TaskDesc s_desc[3];
-  const int w = blockIdx.x;
-  const int q0 = queue_start[w], q1 = queue_start[w + 1];
   if (threadIdx.x == 0) s_gen = ld_relaxed(ctrl + kCtrl_step) + 1;
   if (q0 < q1) stage_words(s_desc[0], descs[q0]);
   if (q0 + 1 < q1) stage_words(s_desc[1], descs[q0 + 1]);
@@ -56,6 +59,9 @@ __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const
 #endif
       if (d.hdr[kHdr_flags] & kFlagSignalFirst) signal_all(d, events);
       const WaitSite site{w, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance]};
+#if MEGART_STREAM_SLOTS > 0
+      stream_note(site.queue_pos, site.type, site.instance);
+#endif
       int go = 1;
       for (int k = 0; k < d.hdr[kHdr_n_wait] && go; ++k) {
         const unsigned need = (unsigned)((long long)d.hdr[kHdr_wait_count + k] * gen);
@@ -89,6 +95,10 @@ __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const
     (void)t_begin;
     cur = nxt;
   }
+#if MEGART_STREAM_SLOTS > 0
+  cta_sync_all();  // the producer has left (after an abort too: it polls the abort flag)
+  stream_end();    // after an abort, stages may still be landing: none may outlive the CTA
+#endif
   // The last worker to finish publishes the step, so the next launch runs step + 1 with no host upload.
   if (threadIdx.x == 0 && ok) {
     __threadfence();
@@ -98,6 +108,25 @@ __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const
       atomicExch(reinterpret_cast<unsigned long long*>(ctrl + kCtrl_step), (unsigned long long)gen);
     }
   }
+}
+
+__device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
+                                       unsigned* events, long long* ctrl, long long* spans, long long watchdog_ns,
+                                       char* smem) {
+  const int w = blockIdx.x;
+  const int q0 = queue_start[w], q1 = queue_start[w + 1];
+#if MEGART_STREAM_SLOTS > 0
+  stream_begin(descs, q0, q1, w, ctrl, watchdog_ns, smem);  // every thread (barrier 0)
+  // One if/else with a role per branch, so that the register hand-over (setmaxnreg) takes effect.
+  if (kProducerWarp && threadIdx.x >= MEGART_THREADS) {
+    stream_producer_role();  // streams, then meets the compute threads at barrier 0
+  } else {
+    stream_compute_regs();
+    compute(descs, queue_start, events, ctrl, spans, watchdog_ns, smem, w, q0, q1);
+  }
+#else
+  compute(descs, queue_start, events, ctrl, spans, watchdog_ns, smem, w, q0, q1);
+#endif
 }
 
 }  // namespace megart

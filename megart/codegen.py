@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import registry
+from . import registry, stream
+from .config import KernelConfig, caller_macros, env_defines  # noqa: F401  (re-exported)
 from .layout import layout_header
 from .registry import TaskType
 from .sources import read_source, source_root
@@ -15,37 +16,16 @@ KERNEL_NAME = "megart_kernel"
 FILE_NAME = "megart_kernel.cu"
 
 
-@dataclass
-class KernelConfig:
-    threads: int = 256
-    profile: bool = False
-    min_blocks: int = 1         # __launch_bounds__ minimum CTAs per SM (2 when nw exceeds the SM count)
-    defines: dict = field(default_factory=dict)   # tuning macros (e.g. MEGART_PREFETCH_KB), part of the cache key
-
-
-def env_defines() -> dict:
-    """MEGART_DEFINES="NAME=VALUE,FLAG": tuning macros for every kernel this process compiles."""
-    import os
-    out = {}
-    for item in filter(None, (x.strip() for x in os.environ.get("MEGART_DEFINES", "").split(","))):
-        name, _, value = item.partition("=")
-        out[name.strip()] = value.strip() or "1"
-    return out
-
-
-def caller_macros(cfg: KernelConfig) -> dict:
-    """The macros the caller asked for: MEGART_DEFINES, overridden by the kernel's own `defines`."""
-    return {**env_defines(), **cfg.defines}
-
-
-def kernel_defines(types: list[TaskType], cfg: KernelConfig) -> dict:
+def kernel_defines(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = None) -> dict:
     """The macros a kernel of `types` is compiled with: each type's own (defines_for) first, then
-    MEGART_DEFINES, then the kernel's `defines`, so the caller's tuning macros win."""
+    MEGART_DEFINES, then the kernel's `defines`, so the caller's tuning macros win; last the weight
+    stream's layout, which megart/stream.py derived from them."""
     out = {}
     for t in types:
         if t.defines_for:
             out.update(t.defines_for(cfg))
     out.update(caller_macros(cfg))
+    out.update(stream.layout(types, cfg, overrides).defines(cfg.threads))   # (read from the caller's macros)
     return out
 
 
@@ -76,44 +56,54 @@ class _Writer:
         return Source("\n".join(self.lines) + "\n", self.chunks)
 
 
-def params_struct(t: TaskType) -> str:
+def params_struct(t: TaskType, streamed: bool = False) -> str:
+    """The C++ parameter struct of `t`; with `streamed`, also the trait that puts its body on the stream."""
     fields = "\n".join(f"  {p.c_decl()}" for p in t.params) or "  int _unused;"
-    return (f"struct {t.struct_name} {{  // task {t.name!r}, id {t.id}\n{fields}\n}};\n"
-            f"static_assert(sizeof({t.struct_name}) <= megart::kParamWords * 8, \"params of {t.name} too large\");")
+    out = (f"struct {t.struct_name} {{  // task {t.name!r}, id {t.id}\n{fields}\n}};\n"
+           f"static_assert(sizeof({t.struct_name}) <= megart::kParamWords * 8, \"params of {t.name} too large\");")
+    if streamed:
+        out += (f"\nnamespace megart {{ template <> struct StreamOn<::{t.struct_name}> "
+                "{ static constexpr bool value = true; }; }")
+    return out
 
 
-def dispatch(types: list[TaskType]) -> str:
-    cases = "\n".join(
-        f"    case {t.id}: {t.body_name}(*reinterpret_cast<const {t.struct_name}*>(d.params), smem); break;"
-        for t in types if t.id not in registry.NO_BODY)
-    pre = "\n".join(
-        f"    case {t.id}: {t.prefetch_name}(*reinterpret_cast<const {t.struct_name}*>(d.params)); break;"
-        for t in types if t.prefetch)
+def _switch(fn: str, args: str, cases: list[str], default: str = "break;") -> str:
+    body = "\n".join(cases)
+    return (f"__device__ __forceinline__ void {fn}({args}) {{\n"
+            "  switch (d.hdr[megart::kHdr_type]) {\n"
+            f"{body}\n"
+            f"    default: {default}\n"
+            "  }\n}\n")
 
-    def with_smem(fn):
-        return "\n".join(f"    case {t.id}: {fn(t)}(*reinterpret_cast<const {t.struct_name}*>(d.params), smem); break;"
-                         for t in types if t.prewait)
+
+def stream_issue(types: list[TaskType]) -> str:
+    """megart_stream_issue(): the producer's per-type step (declared in csrc/weight_stream.cuh)."""
+    cases = [f"    case {t.id}: return megart::dense::stream_issue({t.plan_name}("
+             f"*reinterpret_cast<const {t.struct_name}*>(d.params)), ws, warp, slot);" for t in types]
+    return ("namespace megart {\n"
+            "__device__ bool megart_stream_issue(const TaskDesc& d, WarpStream& ws, int warp, int slot) {\n"
+            "  switch (d.hdr[kHdr_type]) {\n" + "\n".join(cases) + "\n"
+            "    default: return false;  // no weight stream: the producer steps over it\n"
+            "  }\n}\n}  // namespace megart\n")
+
+
+def dispatch(types: list[TaskType], streamed: tuple = ()) -> str:
+    """The per-type switches. A streamed type's L2 prefetch is left out: the stream already loads its
+    first stages ahead of it."""
+    def cases(fn, with_smem, which):
+        tail = ", smem" if with_smem else ""
+        return [f"    case {t.id}: {fn(t)}(*reinterpret_cast<const {t.struct_name}*>(d.params){tail}); break;"
+                for t in types if which(t)]
     return (
-        "__device__ __forceinline__ void megart_dispatch(const megart::TaskDesc& d, char* smem) {\n"
-        "  switch (d.hdr[megart::kHdr_type]) {\n"
-        f"{cases}\n"
-        "    default: break;  // barrier arrivals and joins have no body\n"
-        "  }\n}\n"
-        "__device__ __forceinline__ void megart_prefetch(const megart::TaskDesc& d) {\n"
-        "  switch (d.hdr[megart::kHdr_type]) {\n"
-        f"{pre}\n"
-        "    default: break;\n"
-        "  }\n}\n"
-        "__device__ __forceinline__ void megart_prewait(const megart::TaskDesc& d, char* smem) {\n"
-        "  switch (d.hdr[megart::kHdr_type]) {\n"
-        f"{with_smem(lambda t: t.prewait_name)}\n"
-        "    default: break;\n"
-        "  }\n}\n"
-        "__device__ __forceinline__ void megart_drain(const megart::TaskDesc& d, char* smem) {\n"
-        "  switch (d.hdr[megart::kHdr_type]) {\n"
-        f"{with_smem(lambda t: t.drain_name)}\n"
-        "    default: break;\n"
-        "  }\n}\n")
+        _switch("megart_dispatch", "const megart::TaskDesc& d, char* smem",
+                cases(lambda t: t.body_name, True, lambda t: t.id not in registry.NO_BODY),
+                "break;  // barrier arrivals and joins have no body")
+        + _switch("megart_prefetch", "const megart::TaskDesc& d",
+                  cases(lambda t: t.prefetch_name, False, lambda t: t.prefetch and t.name not in streamed))
+        + _switch("megart_prewait", "const megart::TaskDesc& d, char* smem",
+                  cases(lambda t: t.prewait_name, True, lambda t: t.prewait))
+        + _switch("megart_drain", "const megart::TaskDesc& d, char* smem",
+                  cases(lambda t: t.drain_name, True, lambda t: t.prewait)))
 
 
 def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = None,
@@ -123,15 +113,22 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
     root = root or source_root()
     barrier = registry.get(registry.BARRIER_ID)
     types = sorted({t.id: t for t in [*types, barrier]}.values(), key=lambda t: t.id)
-    defines = kernel_defines(types, cfg)
+    defines = kernel_defines(types, cfg, overrides)
+    lay = stream.layout(types, cfg, overrides)
+    streamed = lay.types
     w = _Writer()
     w.add("// Generated by megart.codegen. Edit the task declarations and .cuh sources, not this file.\n"
           "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cuda_fp8.h>\n"
-          f"#define MEGART_THREADS {cfg.threads}\n#define MEGART_MIN_BLOCKS {cfg.min_blocks}\n"
+          f"#define MEGART_THREADS {cfg.threads}\n#define MEGART_BLOCK_THREADS {lay.block_threads(cfg.threads)}\n"
+          f"#define MEGART_MIN_BLOCKS {cfg.min_blocks}\n"
           + ("#define MEGART_PROFILE 1\n" if cfg.profile else "")
           + "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items())))
     w.add(layout_header(), "megart/layout.py")
-    for rel in ("csrc/runtime.cuh", "csrc/tile_helpers.cuh"):
+    text, path = read_source("csrc/runtime.cuh", root)
+    w.add(text, str(path))
+    if streamed:   # the producer warp never joins the compute threads' barriers (csrc/weight_stream.cuh)
+        w.add("#define __syncthreads() megart::cta_sync()")
+    for rel in ("csrc/tile_helpers.cuh", "csrc/weight_stream.cuh"):
         text, path = read_source(rel, root)
         w.add(text, str(path))
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared task headers, once each
@@ -140,14 +137,16 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
     for t in types:
         if t.id in registry.NO_BODY:
             continue
-        w.add(params_struct(t), f"megart/tasks ({t.name})")
+        w.add(params_struct(t, t.name in streamed), f"megart/tasks ({t.name})")
         text, path = read_source(overrides.get(t.name, t.source), root)
         w.add(text, str(path))
-    w.add(dispatch(types))
+    w.add(dispatch(types, streamed))
+    if streamed:
+        w.add(stream_issue([t for t in types if t.name in streamed]))
     for rel in ("profiler/spans.cuh", "csrc/worker_loop.cuh"):
         text, path = read_source(rel, root)
         w.add(text, str(path))
-    w.add('extern "C" __global__ void __launch_bounds__(MEGART_THREADS, MEGART_MIN_BLOCKS)\n'
+    w.add('extern "C" __global__ void __launch_bounds__(MEGART_BLOCK_THREADS, MEGART_MIN_BLOCKS)\n'
           f"{KERNEL_NAME}(const megart::TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,\n"
           "              unsigned* events, long long* ctrl, long long* spans, long long watchdog_ns) {\n"
           "  extern __shared__ __align__(16) char megart_smem[];\n"

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import torch
 
-from . import codegen, occupancy, registry
+from . import codegen, occupancy, registry, stream
 from .compile import Compiled, compile_source
 from .emulate import emulate as _emulate
 from .errors import DeviceError, GraphError, HangError
@@ -104,9 +104,16 @@ class PersistentKernel:
         return codegen.KernelConfig(threads=self.threads, profile=self.profiling,
                                     min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=self.defines)
 
+    def stream_layout(self) -> stream.StreamLayout:
+        """The weight stream's ring in this kernel (megart/stream.py): slots per warp, offset, types."""
+        return stream.layout(self.task_types, self.kernel_config(), self.source_overrides)
+
     def smem_bytes(self) -> int:
+        """Dynamic shared memory: the largest instance's, then the weight stream's ring."""
         cfg = self.kernel_config()
-        return max([t.shared_bytes(cfg) for t in self.task_types] + [0])
+        per_instance = max([t.shared_bytes(cfg) for t in self.task_types] + [0])
+        lay = self.stream_layout()
+        return lay.offset + lay.ring_bytes(self.threads) if lay.slots else per_instance
 
     def compile(self, verify: bool = True) -> "PersistentKernel":
         """Schedule, verify (unless told not to: tests of the watchdog), generate, compile and, on a
@@ -119,14 +126,15 @@ class PersistentKernel:
         self.compiled = compile_source(self.source, self.arch)
         r = self.compiled.report
         smem = self.smem_bytes()
-        self.occupancy = occupancy.blocks_per_sm(r.registers, self.threads, r.smem_bytes + smem,
+        block = self.stream_layout().block_threads(self.threads)   # + the producer warp, with a stream
+        self.occupancy = occupancy.blocks_per_sm(r.registers, block, r.smem_bytes + smem,
                                                  occupancy.limits_for(self.arch, self.sm_count))
         occupancy.check(self.nw, self.occupancy, self.sm_count)
         self.schedule = schedule
         if self.device.type == "cuda":
             from .launch import DeviceRuntime
-            self._rt = DeviceRuntime(self.compiled.cubin, schedule, self.device, self.threads, smem)
-            driver_fit = self._rt.driver_blocks_per_sm(self.threads)
+            self._rt = DeviceRuntime(self.compiled.cubin, schedule, self.device, block, smem)
+            driver_fit = self._rt.driver_blocks_per_sm(block)
             if driver_fit < self.occupancy.per_sm:
                 self.occupancy = occupancy.Occupancy(driver_fit, self.occupancy.limiter + " (driver)",
                                                      self.occupancy.detail)

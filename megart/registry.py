@@ -84,6 +84,10 @@ class TaskType:
     #                                   instance's waits, and megart_drain_<name>(p, smem), run after the
     #                                   body or an abort. The prewait may read only what no task of the
     #                                   launch writes ("weight" params: the graph refuses writers of them)
+    stream: bool = False              # the weights stream through the launch-wide ring (csrc/weight_stream.cuh):
+    #                                   source defines plan_<name>(p), the per-instance weight stream as a
+    #                                   dense MatvecPlan (row pairs x 16-byte chunks in consumption order),
+    #                                   and its body reads them with dense::matvec_prewaited<FP8, P>
     smem_for: Callable | None = None  # smem_for(cfg) -> bytes, when it depends on the kernel config
     defines_for: Callable | None = None   # defines_for(cfg) -> {macro: value} this type's source needs
     headers: tuple = ()               # shared device headers the body needs, emitted once per kernel
@@ -109,6 +113,10 @@ class TaskType:
     @property
     def drain_name(self) -> str:
         return f"megart_drain_{self.name}"
+
+    @property
+    def plan_name(self) -> str:
+        return f"plan_{self.name}"
 
     def shared_bytes(self, cfg) -> int:
         """Dynamic shared memory one instance needs in a kernel built with `cfg` (codegen.KernelConfig)."""
@@ -159,8 +167,8 @@ def register(t: TaskType, *, builtin: bool = False) -> TaskType:
     _validate(t, builtin)
     old = _BY_NAME.get(t.name)
     if old is not None:
-        if (old.id, old.source, old.params, old.prewait, old.prefetch) == (t.id, t.source, t.params, t.prewait,
-                                                                            t.prefetch):
+        if (old.id, old.source, old.params, old.prewait, old.prefetch, old.stream) == (
+                t.id, t.source, t.params, t.prewait, t.prefetch, t.stream):
             return old
         raise RegistryError(f"task name {t.name!r} is already registered (id {old.id})")
     if t.id in _BY_ID:

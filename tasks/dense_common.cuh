@@ -243,58 +243,6 @@ __device__ __forceinline__ const uint4* ring_slot(char* smem, int warp, int slot
   return reinterpret_cast<const uint4*>(smem + kRingOffset + kRingHeadBytes + (size_t)(warp * kRingSlots + slot) * kSlotBytes);
 }
 
-// mbarrier and bulk-copy primitives (the host simulation copies at once and never waits).
-#ifdef __CUDA_ARCH__
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(unsigned long long* b) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_inval(unsigned long long* b) {
-  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect(unsigned long long* b, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-                 : "=r"(done) : "r"(smem_addr(b)), "r"(parity) : "memory");
-  } while (!done);
-}
-// The slot was last read through the generic proxy; order those reads before the async-proxy write.
-__device__ __forceinline__ void bulk_load(const void* dst, const void* src, unsigned bytes, unsigned long long* b) {
-  asm volatile("fence.proxy.async.shared::cta;\n\t"
-               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(b)) : "memory");
-}
-#else
-// Host simulation: a copy lands at once, so *b counts the barrier's completed phases; a wait on a phase
-// that has not completed would block forever on the device, and is reported (megart_host_fault).
-inline void mbar_init(unsigned long long* b) {
-  if (reinterpret_cast<uintptr_t>(b) % 8) megart_host_fault("mbarrier not 8-byte aligned");
-  *b = 0;
-}
-inline void mbar_inval(unsigned long long* b) { *b = ~0ull; }
-inline void mbar_init_fence() {}
-inline void mbar_expect(unsigned long long* b, unsigned) {
-  if (*b == ~0ull) megart_host_fault("arrive on an invalidated mbarrier");
-  ++*b;
-}
-inline void mbar_wait(unsigned long long* b, unsigned parity) {
-  if (*b == ~0ull) megart_host_fault("wait on an invalidated mbarrier");
-  if ((*b & 1) == (parity & 1)) megart_host_fault("mbarrier wait on a phase that never completes");
-}
-inline void bulk_load(const void* dst, const void* src, unsigned bytes, unsigned long long*) {
-  if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16 || bytes % 16 || !bytes)
-    megart_host_fault("bulk copy address or size not a 16-byte multiple");
-  std::memcpy(const_cast<void*>(dst), src, bytes);
-}
-#endif
-
 // The k-th (row pair, chunk range) segment warp `warp` owns in a matvec over `groups` pairs of kc chunks:
 // whole pairs g = warp, warp + kWarps, ... when groups >= kWarps, else one K slice (see matvec).
 struct Segment {
@@ -475,6 +423,69 @@ __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, floa
   combine_split(s, groups, red, epi);
 }
 
+// ---- the weight stream's dense stage format (csrc/weight_stream.cuh) ------------------------------
+// A streamed dense type's stream is its MatvecPlan walked by StageCursor: for each warp, the same stages
+// in the same order as the ring above and dot2's registers, so every engine gives the same sums. The
+// cursor between two calls lives in the warp's WarpStream (the producer is lane 0 of the warp).
+#if MEGART_STREAM_SLOTS > 0
+static_assert(kStreamSlotBytes == kSlotBytes, "megart/stream.py SLOT_BYTES disagrees with the dense stage size");
+static_assert(sizeof(StageCursor) <= sizeof(WarpStream::cursor), "StageCursor does not fit WarpStream::cursor");
+
+// Producer lane: issue compute warp `warp`'s next stage of `plan` into `slot` (evict-first in L2: each
+// weight byte is read once).
+template <class Plan>
+__device__ __forceinline__ bool stream_issue(const Plan& plan, WarpStream& ws, int warp, int slot) {
+  StageCursor& st = *reinterpret_cast<StageCursor*>(ws.cursor);
+  if (ws.fresh) st = StageCursor(plan.groups, plan.kc, warp);
+  if (!st.live) return false;
+  const void* w[2];
+  plan.rows(st.s.g, w);
+  const int n = min(kStageChunks, st.s.c1 - st.c);
+  unsigned long long* b = stream_full(warp, slot);
+  const uint4* dst = reinterpret_cast<const uint4*>(stream_slot(warp, slot));
+  mbar_expect(b, 2u * 16u * (unsigned)n);
+#ifdef __CUDA_ARCH__
+  const unsigned long long pol = l2_evict_first();
+#else
+  const unsigned long long pol = 0;
+#endif
+  bulk_load_hint(dst, static_cast<const uint4*>(w[0]) + st.c, 16u * n, b, pol);
+  bulk_load_hint(dst + kStageChunks, static_cast<const uint4*>(w[1]) + st.c, 16u * n, b, pol);
+  st.next();
+  return true;
+}
+
+// matvec (below) with the weights coming from the stream: same work split, same sums.
+template <bool FP8, class Epi>
+__device__ __forceinline__ void matvec_stream(int groups, int kc, const uint4* xs, float* red, Epi epi) {
+  const int warp = threadIdx.x >> 5;
+  StageCursor st(groups, kc, warp);
+  auto consume_segment = [&](float (&acc)[2]) {
+    const int k = st.k;
+    while (st.live && st.k == k) {
+      const uint4* slot = reinterpret_cast<const uint4*>(stream_acquire(warp));
+      dot2_stage<FP8>(slot, xs, st.c, min(kStageChunks, st.s.c1 - st.c), acc);
+      stream_release(warp);
+      st.next();
+    }
+  };
+  if (groups >= kWarps) {
+    while (st.live) {
+      const int g = st.s.g;
+      float s[2] = {0.f, 0.f};
+      consume_segment(s);
+      epi(g, warp_sum(s[0]), warp_sum(s[1]));
+    }
+    return;
+  }
+  float s[2] = {0.f, 0.f};
+  if (st.live) consume_segment(s);  // one K slice per warp; empty when kc < split
+  s[0] = warp_sum(s[0]);
+  s[1] = warp_sum(s[1]);
+  combine_split(s, groups, red, epi);
+}
+#endif  // MEGART_STREAM_SLOTS > 0
+
 // A matvec's work: `groups` row pairs of `kc` 16-byte chunks each, rows named by `rows`. A task with a
 // prewait builds it once (plan_<name>) for both the prewait's ring_fill and the body.
 template <class Rows>
@@ -488,9 +499,16 @@ __device__ __forceinline__ void ring_fill(const MatvecPlan<Rows>& m, char* smem)
 }
 // The body side of a task with a prewait: weights from the ring it filled, or through registers when
 // this kernel has no ring (MEGART_DENSE_RING_SLOTS == 0: the prewait did nothing).
-template <bool FP8, class Rows, class Epi>
+// P (the type's params struct) says whether this type is on the launch-wide weight stream.
+template <bool FP8, class P, class Rows, class Epi>
 __device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
                                                  char* smem) {
+#if MEGART_STREAM_SLOTS > 0
+  if constexpr (StreamOn<P>::value) {
+    matvec_stream<FP8>(m.groups, m.kc, xs, red, epi);
+    return;
+  }
+#endif
   if constexpr (kRingSlots > 0)
     matvec_ring<FP8>(m.groups, m.kc, xs, red, m.rows, epi, smem);
   else

@@ -21,7 +21,7 @@ __device__ __forceinline__ void megart_task_gate_up_silu(const P& p, char* smem)
   uint4* xs = xs_of(smem);
   stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
   const int lane = threadIdx.x & 31;
-  matvec_prewaited<false>(plan_gate_up_silu(p), xs, scratch_of(smem), [&](int g, float gate, float up) {
+  matvec_prewaited<false, P>(plan_gate_up_silu(p), xs, scratch_of(smem), [&](int g, float gate, float up) {
     if (lane == 0) p.h[g] = __float2bfloat16_rn(silu(gate) * up);
   }, smem);
 }

@@ -14,7 +14,7 @@ __device__ __forceinline__ void megart_task_gemv_m1(const P& p, char* smem) {
   stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
   const bool res = p.flags & kFlagResidual;
   const int lane = threadIdx.x & 31;
-  matvec_prewaited<false>(plan_gemv_m1(p), xs, scratch_of(smem), [&](int g, float a, float b) {
+  matvec_prewaited<false, P>(plan_gemv_m1(p), xs, scratch_of(smem), [&](int g, float a, float b) {
     const int r = 2 * g + lane;
     if (lane < 2 && r < p.n) {
       float v = lane ? b : a;

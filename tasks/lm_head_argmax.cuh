@@ -16,7 +16,7 @@ __device__ __forceinline__ void megart_task_lm_head_argmax(const P& p, char* sme
   const int lane = threadIdx.x & 31;
   float bv = neg_inf();
   int bi = kNoIndex;
-  matvec_prewaited<false>(plan_lm_head_argmax(p), xs, scratch_of(smem), [&](int g, float a, float b) {
+  matvec_prewaited<false, P>(plan_lm_head_argmax(p), xs, scratch_of(smem), [&](int g, float a, float b) {
     const int r = 2 * g;
     if (store && lane < 2 && r + lane < p.n) p.logits[r + lane] = lane ? b : a;
     a = nan_low(a);

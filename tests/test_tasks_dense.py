@@ -468,9 +468,9 @@ def test_chain_feeds_token_back():
 
 
 # ---- launch geometry, prefetch, cost, and the host simulation itself ---------------------------------------
-def _all_dense_kernel(nw: int, threads: int = 256) -> megart.PersistentKernel:
+def _all_dense_kernel(nw: int, threads: int = 256, defines: dict | None = None) -> megart.PersistentKernel:
     """One instance-rich graph over every dense task type (small shapes)."""
-    pk = megart.PersistentKernel(nw=nw, device="cpu", threads=threads)
+    pk = megart.PersistentKernel(nw=nw, device="cpu", threads=threads, defines=defines)
     d, f, v = 256, 512, 640
     table, _ = geo.dense_m1(v, d, seed=31)
     wq, _ = geo.dense_m1(d, d, seed=32)
@@ -521,13 +521,22 @@ def test_other_cta_sizes(threads):
     assert torch.equal(dev["token"], emu["token"])
 
 
-def test_prefetch_is_capped_and_covers_the_slice_head():
-    pk = _all_dense_kernel(nw=4)
+@pytest.mark.parametrize("engine", ["registers", "stream"])
+def test_prefetch_is_capped_and_covers_the_slice_head(engine):
+    """The L2 prefetch of the next instance's weight head: capped, and left out for the streamed types
+    when the stream runs (it already loads their first stages ahead)."""
+    pk = _all_dense_kernel(nw=4, defines=REGISTERS if engine == "registers" else STREAM("auto"))
     pk.compile()
+    streamed = pk.stream_layout().types
+    assert (engine == "stream") == bool(streamed)
     dense_hostsim.run(pk)
     cap = 64 << 10
     for inst in pk.graph.instances:
         if not inst.type.prefetch:
+            continue
+        if inst.type.name in streamed:
+            assert dense_hostsim.run.prefetched[inst.uid] == 0, inst.label()
+            assert f"case {inst.type.id}: megart_prefetch_" not in pk.source.text
             continue
         asked = dense_hostsim.run.prefetched[inst.uid]
         slice_bytes = sum(inst.params[n].count * inst.params[n].tensor.itemsize
@@ -574,15 +583,31 @@ def test_hostsim_catches_a_missing_syncthreads(tmp_path):
     assert not torch.isfinite(out.float()).all() or geo.relerr(out, geo.ref_gemv(w, x)) > 0.1
 
 
-@pytest.mark.parametrize("ring", [0, 3])
-def test_hostsim_catches_a_divergent_barrier(tmp_path, ring):
-    if ring:    # the weight-ring engine (matvec_ring)
+# The three ways a dense body gets its weights, as kernel macros: the register engine, the per-instance
+# ring (opt-in) and the launch-wide weight stream (the default where shared memory allows).
+REGISTERS = {"MEGART_STREAM_SLOTS": 0}
+def RING(slots): return {"MEGART_DENSE_RING_SLOTS": slots}
+def STREAM(slots): return {"MEGART_STREAM_SLOTS": slots}
+
+
+@pytest.mark.parametrize("engine", ["registers", "ring", "stream"])
+def test_hostsim_catches_a_divergent_barrier(tmp_path, engine):
+    if engine == "ring":        # matvec_ring
         src = _broken(tmp_path, "  int j = 0;\n  auto consume_segment",
                       "  int j = 0;\n  if (threadIdx.x == 3) return;\n  auto consume_segment")
-    else:       # the register engine (matvec)
+        defines = RING(3)
+    elif engine == "stream":    # matvec_stream
+        src = _broken(tmp_path, "  StageCursor st(groups, kc, warp);\n  auto consume_segment = [&](float (&acc)[2]) {\n"
+                      "    const int k = st.k;\n    while (st.live && st.k == k) {\n      const uint4* slot",
+                      "  StageCursor st(groups, kc, warp);\n  if (threadIdx.x == 3) return;\n"
+                      "  auto consume_segment = [&](float (&acc)[2]) {\n"
+                      "    const int k = st.k;\n    while (st.live && st.k == k) {\n      const uint4* slot")
+        defines = STREAM(2)
+    else:                       # matvec
         src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5;\n  if (groups >= kWarps) {",
                       "  const int warp = threadIdx.x >> 5;\n  if (threadIdx.x == 3) return;\n  if (groups >= kWarps) {")
-    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines={"MEGART_DENSE_RING_SLOTS": ring})
+        defines = REGISTERS
+    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines=defines)
     w, x = geo.dense_m1(16, 64, seed=1)
     pk.task("gemv_m1", y=pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
             x=pk.tensor(x, "x"))
@@ -591,26 +616,33 @@ def test_hostsim_catches_a_divergent_barrier(tmp_path, ring):
         dense_hostsim.run(pk)
 
 
-# ---- the weight ring (TMA-fed shared-memory stages) against the register engine ------------------------
-@pytest.mark.parametrize("n,k,tiles", [
-    pytest.param(37, 4112, 3, id="pairs>=warps,3-stage-rows"),
-    pytest.param(6, 8208, 2, id="split-K,uneven-slices"),
-    pytest.param(2, 16, 1, id="empty-K-slices"),
-    pytest.param(300, 2064, 1, id="many-pairs-per-warp")])
-def test_weight_ring_is_bit_identical_to_the_register_path(n, k, tiles):
-    """Every ring depth consumes the same chunks in the same order as dot2's registers, so each dense type
-    with a prewait gives bit-identical outputs with 0 (registers), 2, 3 and 4 slots per warp."""
+# ---- the weight ring and the weight stream (TMA-fed shared-memory stages) against the register engine ----
+ENGINES = [(256, REGISTERS), (256, RING(3)), (256, STREAM(1)), (256, STREAM("auto")),
+           (128, REGISTERS), (128, STREAM(4)), (96, REGISTERS), (96, RING(3)), (96, STREAM(2))]
+
+
+@pytest.mark.parametrize("n,k,tiles,nw", [
+    pytest.param(37, 4112, 3, 3, id="pairs>=warps,3-stage-rows"),
+    pytest.param(6, 8208, 2, 2, id="split-K,uneven-slices"),
+    pytest.param(2, 16, 1, 1, id="empty-K-slices"),
+    pytest.param(300, 2064, 1, 1, id="many-pairs-per-warp"),
+    pytest.param(40, 528, 5, 2, id="stream-across-instances")])
+def test_weight_engines_are_bit_identical_to_the_register_path(n, k, tiles, nw):
+    """The ring and the stream consume the same chunks in the same order as dot2's registers, so each
+    dense type gives bit-identical outputs with every engine and depth. Each worker runs several calls'
+    instances in a row (nw < tiles: several of one call), with a weightless copy in between that the
+    stream's producer steps over, so the stream crosses instance and call boundaries."""
     w, x = geo.dense_m1(n, k, seed=3)
     wu, _ = geo.dense_m1(n, k, seed=4)
     w8, s8 = geo.quantize_fp8_per_channel(w)
     g, res = geo.norm_weight(k, seed=5), geo.dense_m1(1, n, seed=6)[1]
     outs = {}
-    for threads, slots in ((256, 0), (256, 2), (256, 3), (128, 0), (128, 4), (96, 0), (96, 3)):
-        pk = megart.PersistentKernel(nw=tiles, device="cpu", threads=threads,
-                                     defines={"MEGART_DENSE_RING_SLOTS": slots})
+    for threads, defines in ENGINES:
+        pk = megart.PersistentKernel(nw=nw, device="cpu", threads=threads, defines=defines)
         X, G, W = pk.tensor(x, "x"), pk.tensor(g, "g"), pk.tensor(w, "w")
         pk.task("gemv_m1", y=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y"), w=W, x=X, norm_weight=G,
                 residual=pk.tensor(res, "res"), tiles=tiles)
+        pk.task("copy", dst=pk.tensor(torch.zeros(64), "c_dst"), src=pk.tensor(torch.ones(64), "c_src"), tiles=nw)
         pk.task("gemv_m1_fp8", y=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y8"), w=pk.tensor(w8, "w8"),
                 scale=pk.tensor(s8, "s8"), x=X, tiles=tiles)
         pk.task("gate_up_silu", h=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "h"), w_gate=W,
@@ -620,12 +652,16 @@ def test_weight_ring_is_bit_identical_to_the_register_path(n, k, tiles):
                 logits=pk.tensor(torch.zeros(n), "logits"), tiles=tiles)
         pk.compile()
         assert pk.report.spill_bytes == 0, pk.report
-        assert ("MEGART_DENSE_RING_SLOTS " + str(slots)) in pk.source.text
-        outs[threads, slots] = {kk: v.clone() for kk, v in dense_hostsim.run(pk).items()}
-    assert geo.relerr(outs[256, 0]["y"], geo.ref_gemv(w, x, norm_weight=g, residual=res)) < 1e-2
-    for threads, slots in ((256, 2), (256, 3), (128, 4), (96, 3)):   # (96: an odd warp count)
+        lay = pk.stream_layout()
+        want = defines.get("MEGART_STREAM_SLOTS", 0)
+        assert lay.slots == (lay.slots if want == "auto" else want) and (lay.slots > 0) == (want != 0), \
+            (threads, defines, lay)
+        outs[threads, str(defines)] = {kk: v.clone() for kk, v in dense_hostsim.run(pk, steps=2).items()}
+    assert geo.relerr(outs[256, str(REGISTERS)]["y"], geo.ref_gemv(w, x, norm_weight=g, residual=res)) < 1e-2
+    for threads, defines in ENGINES:
         for name in ("y", "y8", "h", "pv", "pi", "logits"):
-            assert torch.equal(outs[threads, slots][name], outs[threads, 0][name]), (threads, slots, name)
+            assert torch.equal(outs[threads, str(defines)][name], outs[threads, str(REGISTERS)][name]), \
+                (threads, defines, name)
 
 
 def test_weight_ring_sizing():
@@ -639,7 +675,7 @@ def test_weight_ring_sizing():
     assert dc.ring_slots(three) == 3
     assert dc.smem_for(three) == dc.STAGE_SMEM + 256 + 8 * 3 * 8192 <= 227 * 1024
     assert _all_dense_kernel(nw=4).smem_bytes() <= 64 * 1024
-    pk = megart.PersistentKernel(nw=4, device="cpu", defines={"MEGART_DENSE_RING_SLOTS": 4})
+    pk = megart.PersistentKernel(nw=4, device="cpu", defines=RING(4))
     w, x = geo.dense_m1(64, 256, seed=1)
     pk.task("gemv_m1", y=pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
             x=pk.tensor(x, "x"), tiles=4)
@@ -652,7 +688,7 @@ def test_hostsim_catches_a_ring_wait_that_would_never_return(tmp_path):
     hang) is reported, not silently passed because the host copies land at once."""
     src = _broken(tmp_path, "mbar_wait(ring_bar(smem, warp, slot), (unsigned)((j / kRingSlots) & 1));",
                   "mbar_wait(ring_bar(smem, warp, slot), (unsigned)(((j / kRingSlots) + 1) & 1));")
-    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines={"MEGART_DENSE_RING_SLOTS": 2})
+    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines=RING(2))
     w, x = geo.dense_m1(16, 64, seed=1)
     pk.task("gemv_m1", y=pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
             x=pk.tensor(x, "x"))

@@ -75,7 +75,8 @@ class LlamaModel:
                  device=None, nw: int | None = None, seed: int = 0, kv_seed: int = 1, init: str = "random",
                  tiles: dict | None = None, deps: str = "explicit", kv_refs: str = "partition",
                  logits: bool = True, profile: bool = False, profile_steps: int = 16, threads: int = 256,
-                 watchdog_s: float | None = None, compile: bool = True, sm_count: int | None = None):
+                 watchdog_s: float | None = None, compile: bool = True, sm_count: int | None = None,
+                 defines: dict | None = None):
         if deps not in ("explicit", "infer"):
             raise ValueError(f"deps must be 'explicit' or 'infer', got {deps!r}")
         if device is None:
@@ -88,7 +89,7 @@ class LlamaModel:
         self.weights = weights if weights is not None else make_weights(cfg, seed, self.device, init)
         self.kv = kv if kv is not None else make_kv_cache(cfg, kv_seed, self.device, init)
         self.pk = PersistentKernel(nw=nw, device=self.device, profile=profile, profile_steps=profile_steps,
-                                   threads=threads, watchdog_s=watchdog_s, sm_count=sm_count)
+                                   threads=threads, watchdog_s=watchdog_s, sm_count=sm_count, defines=defines)
         self.nw = self.pk.nw
         self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
         self.deps = deps

@@ -111,6 +111,14 @@ def block_8b(prefill: int = 4096, max_seq: int = 4224) -> LlamaConfig:
                        eps=1e-5, theta=500000.0, prefill=prefill, max_seq=max_seq)
 
 
+def small(layers: int = 24, context: int = 2048, headroom: int = 1024) -> LlamaConfig:
+    """A small model as a new user would try one: d 1024, ffn 4096, 16/8 heads x 64, 24 layers, the
+    Llama-3 vocabulary (tied). Few bytes per layer, so a fixed cost per layer shows."""
+    return LlamaConfig(name=f"small{layers}", layers=layers, d=1024, ffn=4096, n_q=16, n_kv=8, hd=64,
+                       vocab=128256, eps=1e-5, theta=500000.0, prefill=context,
+                       max_seq=_max_seq(context, headroom))
+
+
 def tiny(layers: int = 2, d: int = 256, ffn: int = 512, n_q: int = 4, n_kv: int = 2, hd: int = 64,
          vocab: int = 1000, prefill: int = 40, max_seq: int = 64, wdtype: str = "bf16") -> LlamaConfig:
     """The reduced shape the CPU emulator tests run."""
@@ -124,6 +132,7 @@ CONFIGS = {
     "1b_32k": lambda: llama_1b(32768),
     "1b_fp8": lambda: llama_1b_fp8(),
     "block8b": block_8b,
+    "small": small,
     "tiny": tiny,
     "tiny_fp8": lambda: tiny(wdtype="fp8"),
     "tiny_block": lambda: tiny(vocab=0),

@@ -283,7 +283,7 @@ def attn_ring_bytes(cfg) -> int:
     """attention_decode's K/V ring in a kernel built with `cfg` (codegen.KernelConfig): MEGART_ATTN_RING_BYTES
     when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under 512 threads (the body's
     !kLowRegs case), 0 otherwise (the register path, as before the ring)."""
-    from ..codegen import caller_macros
+    from ..config import caller_macros
     forced = caller_macros(cfg).get("MEGART_ATTN_RING_BYTES")
     if forced is not None:
         return int(forced)

@@ -40,7 +40,7 @@ def ring_slots(cfg) -> int:
     """Ring slots per warp: MEGART_DENSE_RING_SLOTS from the kernel's or the process's macros, else 0
     (the register engine). More slots than shared memory holds fail the co-residency check, naming
     shared memory (3 fit at 256 threads and one CTA per SM; none fit at two CTAs per SM)."""
-    from ..codegen import caller_macros
+    from ..config import caller_macros
     return int(caller_macros(cfg).get("MEGART_DENSE_RING_SLOTS", 0))
 
 

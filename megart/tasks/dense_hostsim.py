@@ -185,16 +185,32 @@ inline void prefetch_l2(const void*, unsigned long long bytes) { prefetched += b
 RUNNER = r"""
 // Runs one instance: all threads call the prefetch (if any), then the body. Returns 0, or -1 when
 // threads are stuck at a barrier that can never complete (divergent __syncthreads / shuffles).
+// With the weight stream, `stream` holds this worker's saved stream state (in and out), `descs` the
+// packed descriptors, [q0, q1) the worker's queue and `begin` says the worker's ring starts here.
 extern "C" int megart_hostsim_run(int type_id, const unsigned long long* params, char* smem, int threads,
-                                  unsigned seed, unsigned long long* prefetched) {
+                                  unsigned seed, unsigned long long* prefetched, void* stream,
+                                  const void* descs, int q0, int q1, int begin) {
   using namespace hostsim;
   const void* P = params;
   megart::prefetched = 0;
   megart_hs_fault = nullptr;
+  std::function<void()> inst;
   switch (type_id) {
 %CASES%
     default: return -2;
   }
+#if MEGART_STREAM_SLOTS > 0
+  std::memcpy(&megart::s_stream, stream, sizeof(megart::s_stream));
+  body = [=] {
+    if (begin) {  // as the worker loop does at launch start
+      megart::stream_begin(static_cast<const megart::TaskDesc*>(descs), q0, q1, 0, nullptr, 0, smem);
+      __syncthreads();
+    }
+    inst();
+  };
+#else
+  body = inst;
+#endif
   const int nwarp = threads / 32;
   blockDim.x = threads;
   block = Bar{};
@@ -226,40 +242,67 @@ extern "C" int megart_hostsim_run(int type_id, const unsigned long long* params,
     }
     if (live > 0 && progress == before) return -1;
   }
+#if MEGART_STREAM_SLOTS > 0
+  std::memcpy(stream, &megart::s_stream, sizeof(megart::s_stream));
+#endif
   *prefetched = megart::prefetched;
   return megart_hs_fault ? -3 : 0;
 }
 extern "C" const char* megart_hostsim_fault() { return megart_hs_fault ? megart_hs_fault : ""; }
+// The weight stream's saved state: its size, and the stages issued but never read (summed over warps).
+extern "C" int megart_hostsim_stream_bytes() {
+#if MEGART_STREAM_SLOTS > 0
+  return (int)sizeof(megart::s_stream);
+#else
+  return 0;
+#endif
+}
+extern "C" long long megart_hostsim_stream_unread(const void* stream, int threads) {
+#if MEGART_STREAM_SLOTS > 0
+  const auto* st = static_cast<const megart::StreamShared*>(stream);
+  long long n = 0;
+  for (int w = 0; w < threads / 32; ++w) n += (long long)(st->warp[w].issued - st->warp[w].consumed);
+  return n;
+#else
+  return 0;
+#endif
+}
 """
 
 
-def _case(t: registry.TaskType) -> str:
+def _case(t: registry.TaskType, streamed: bool) -> str:
     s = f"reinterpret_cast<const {t.struct_name}*>(P)"
-    pre = f"{t.prefetch_name}(*{s}); " if t.prefetch else ""
+    pre = f"{t.prefetch_name}(*{s}); " if t.prefetch and not streamed else ""   # (as codegen.dispatch)
     if t.prewait:          # (the device runs it before the wait; the body's first __syncthreads orders it)
         pre += f"{t.prewait_name}(*{s}, smem); "
     post = f" {t.drain_name}(*{s}, smem);" if t.prewait else ""
-    return f"    case {t.id}: body = [=] {{ {pre}{t.body_name}(*{s}, smem);{post} }}; break;"
+    return f"    case {t.id}: inst = [=] {{ {pre}{t.body_name}(*{s}, smem);{post} }}; break;"
 
 
 def source(types: list, threads: int = 256, overrides: dict | None = None, defines: dict | None = None) -> str:
     """The host translation unit: prelude, layout, then (like codegen) each type's params struct and
     device source (`overrides`: task name -> replacement source, as PersistentKernel(source_overrides=);
     `defines`: the kernel's macros, e.g. the weight ring's slot count)."""
-    from ..codegen import params_struct     # (upward imports stay local: this module is a test tool)
+    from ..codegen import params_struct, stream_issue   # (upward imports stay local: this module is a test tool)
     overrides = overrides or {}
-    macros = "".join(f"#define {k} {v}\n" for k, v in sorted((defines or {}).items()))
-    parts = [f"#define MEGART_THREADS {threads}\n{macros}", PRELUDE, layout_header()]
+    defines = defines or {}
+    macros = "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items()))
+    parts = [f"#define MEGART_THREADS {threads}\n{macros}", PRELUDE, layout_header(),
+             read_source("csrc/weight_stream.cuh")[0]]
+    streamed = [t for t in types if t.stream and t.name not in overrides] \
+        if int(defines.get("MEGART_STREAM_SLOTS", 0)) > 0 else []
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared headers once, as codegen does
         parts.append(read_source(overrides.get(rel, rel))[0])
     seen = set()
     for t in types:
-        parts.append(params_struct(t))
+        parts.append(params_struct(t, t in streamed))
         text, path = read_source(overrides.get(t.name, t.source))
         if text not in seen:                  # (the text, not its path, so the cache key is path-free)
             seen.add(text)
             parts.append(f"// ---- {Path(path).name}\n{text}")
-    parts.append(RUNNER.replace("%CASES%", "\n".join(_case(t) for t in types)))
+    if streamed:
+        parts.append(stream_issue(streamed))
+    parts.append(RUNNER.replace("%CASES%", "\n".join(_case(t, t in streamed) for t in types)))
     return "\n".join(parts)
 
 
@@ -321,7 +364,11 @@ def library(types: list | None = None, threads: int = 256, overrides: dict | Non
     lib = ctypes.CDLL(str(so))
     lib.megart_hostsim_run.restype = ctypes.c_int
     lib.megart_hostsim_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
-                                       ctypes.c_void_p]
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                       ctypes.c_int]
+    lib.megart_hostsim_stream_bytes.restype = ctypes.c_int
+    lib.megart_hostsim_stream_unread.restype = ctypes.c_longlong
+    lib.megart_hostsim_stream_unread.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.megart_hostsim_fault.restype = ctypes.c_char_p
     _LIBS[key] = lib
     return lib
@@ -346,19 +393,31 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
     from .dense_common import HEADERS
     overrides = {k: v for k, v in pk.source_overrides.items() if k in {t.name for t in dense_types()} | set(HEADERS)}
     from ..codegen import kernel_defines
-    defines = kernel_defines(dense_types(), pk.kernel_config())   # the macros codegen gives these bodies
+    from ..stream import layout as stream_layout
+    cfg = pk.kernel_config()
+    defines = kernel_defines(dense_types(), cfg, overrides)   # the macros codegen gives these bodies
+    lay = stream_layout(dense_types(), cfg, overrides)
     lib = library(None, pk.threads, overrides, defines)
-    desc, _ = pack_descriptors(s)
+    desc, starts = pack_descriptors(s)
     off = header_offsets()
     hdr = desc[:, : HEADER_INTS // 2].view(np.int32)
     row_of = {int(hdr[i, off["instance"]]): i for i in range(len(desc))}
     params = np.ascontiguousarray(desc[:, HEADER_INTS // 2:])
-    smem = np.empty(max(pk.smem_bytes(), 16) + 64, dtype=np.uint8)
-    base = (-smem.ctypes.data) % 16                        # 16-byte aligned, like extern __shared__
+    nbytes = max(pk.smem_bytes(), lay.offset + lay.ring_bytes(pk.threads), 16) + 64
+    fresh = lay.offset if lay.slots else nbytes          # bytes poisoned before each instance (not the ring)
+    smems, states = {}, {}                                 # per worker: shared memory, saved stream state
     pref = ctypes.c_ulonglong(0)
     rng = random.Random(seed)
     run.prefetched = {}
     host = {name: t.data for name, t in s.graph.tensors.items()}
+
+    def worker_smem(w):
+        if w not in smems:   # 16-byte aligned, like extern __shared__; the ring persists across instances
+            buf = np.empty(nbytes, dtype=np.uint8)
+            base = (-buf.ctypes.data) % 16
+            smems[w] = (buf, base)
+            states[w] = np.zeros(max(lib.megart_hostsim_stream_bytes(), 8), dtype=np.uint8)
+        return smems[w]
 
     def execute(uid):
         inst = s.instances[uid]
@@ -367,10 +426,14 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
         if inst.type.id not in dense_ids:
             inst.type.reference(s.graph.host_views(inst, host))
             return
-        smem.fill(0xFF)                                    # NaN bytes: unstaged reads poison results
+        w = s.worker_of[uid]
+        begin = w not in smems
+        buf, base = worker_smem(w)
+        buf[base: base + fresh].fill(0xFF)                 # NaN bytes: unstaged reads poison results
         row = params[row_of[uid]]
-        rc = lib.megart_hostsim_run(inst.type.id, row.ctypes.data, smem.ctypes.data + base, pk.threads,
-                                    rng.getrandbits(32), ctypes.addressof(pref))
+        rc = lib.megart_hostsim_run(inst.type.id, row.ctypes.data, buf.ctypes.data + base, pk.threads,
+                                    rng.getrandbits(32), ctypes.addressof(pref), states[w].ctypes.data,
+                                    desc.ctypes.data, int(starts[w]), int(starts[w + 1]), int(begin))
         if rc == -1:
             raise HostSimError(f"{inst.label()}: threads stuck at a barrier some threads never reach")
         if rc == -3:
@@ -379,8 +442,18 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
             raise HostSimError(f"{inst.label()}: no host body for task id {inst.type.id}")
         run.prefetched[uid] = pref.value
 
+    def check_stream_drained():
+        for w, st in states.items():
+            unread = lib.megart_hostsim_stream_unread(st.ctypes.data, pk.threads)
+            if unread:
+                raise HostSimError(f"weight stream: worker {w} issued {unread} stage(s) its bodies never read "
+                                   "(the producer's walk and the consumers disagree)")
+        smems.clear()    # the next step starts a new launch: rings are filled again
+        states.clear()
+
     import torch
     with torch.no_grad():
         for _ in range(steps):
             simulate(s, execute, rng)
+            check_stream_drained()
     return host

@@ -16,7 +16,7 @@ from .tiling import even_tiles, require
 
 # GEMV types whose weights stream through the shared-memory ring (tasks/dense_common.cuh); not
 # group_gemm_m1, whose rows depend on the routing, an input that exists only after its wait.
-RING = dict(prewait=True, smem_for=smem_for, defines_for=defines_for, smem_bytes=STAGE_SMEM)  # (smem_bytes: ring off)
+RING = dict(prewait=True, stream=True, smem_for=smem_for, defines_for=defines_for, smem_bytes=STAGE_SMEM)  # (smem_bytes: ring off)
 
 EXPERT_ROWS = 128   # group_gemm_m1: each expert's tile of `a` / `y` rows; row 0 of it is the live one
 

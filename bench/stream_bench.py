@@ -1,0 +1,124 @@
+"""The Llama decode step under several kernel macro sets (weight engines), one process, one floor.
+
+    PYTHONPATH=. python bench/stream_bench.py [--configs 1b] [--steps 200] [--json out.json]
+        [--variants "default;MEGART_STREAM_SLOTS=0;MEGART_STREAM_SLOTS=0,MEGART_DENSE_RING_SLOTS=3"]
+
+Per config the weights and the KV prefix are made once; per variant (a MEGART_DEFINES-style list, or
+`default` for none) the model is built with those macros, checked once against the reference, timed
+(median us/step over --steps, CUDA events, after a warm-up) and then profiled (a second build with the
+span recorder): per call kind, the wall, busiest-worker body time and the time workers waited before it.
+That per-call table is how the engines are compared: which calls got slower or faster, and whether the
+difference is in the body (bytes arriving) or in the wait (the producer of the input).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from llama_decode import Timer, check_once, hbm_bandwidth, log, median, time_megart  # noqa: E402
+from megart.models import llama  # noqa: E402
+from megart.models.llama_config import clone_kv  # noqa: E402
+
+
+def parse_variant(text: str) -> dict:
+    if text.strip() in ("", "default"):
+        return {}
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = item.partition("=")
+        out[name.strip()] = value.strip() or "1"
+    return out
+
+
+def profile_calls(cfg, W, prefix, nw, defines, steps=6) -> tuple[list, float]:
+    m = llama.LlamaModel(cfg, W, clone_kv(prefix), nw=nw, profile=True, profile_steps=steps, defines=defines)
+    m.reset(cfg.prefill, None if cfg.block else 3)
+    for _ in range(3):
+        m.step()
+    m.sync()
+    m.pk.reset_profile(steps)
+    for _ in range(steps):
+        m.step()
+    m.sync()
+    prof = m.pk.profile()
+    return m.call_breakdown(prof), median(list(prof.step_walls() / 1e3))
+
+
+def run_variant(cfg, W, prefix, nw, defines, steps, bw, profile=True) -> dict:
+    timer = Timer(torch.device("cuda"))
+    m = llama.LlamaModel(cfg, W, clone_kv(prefix), nw=nw, defines=defines)
+    lay = m.pk.stream_layout()
+    rec = dict(defines=defines, registers=m.pk.report.registers, spill_bytes=m.pk.report.spill_bytes,
+               smem_bytes=m.pk.smem_bytes(), stream_slots=lay.slots, stream_types=list(lay.types))
+    rec["relerr_first_step"] = check_once(cfg, m, W, prefix)
+    us = time_megart(m, timer, steps)
+    m.sync()
+    rec["megart_us"] = median(us)
+    rec["floor_us"] = cfg.bytes_per_step(cfg.prefill + steps // 2) / bw * 1e6
+    rec["x_floor"] = rec["megart_us"] / rec["floor_us"]
+    del m
+    if profile:
+        rec["calls"], rec["profiled_step_wall_us"] = profile_calls(cfg, W, prefix, nw, defines)
+    torch.cuda.empty_cache()
+    return rec
+
+
+def calls_text(rec) -> str:
+    rows = [f"  {'kind':10s} {'wall':>8s} {'slowCTA':>8s} {'wait':>9s}"]
+    for c in rec.get("calls", []):
+        rows.append(f"  {c['kind']:10s} {c['wall_us']:8.1f} {c['slow_cta_us']:8.1f} {c['wait_us'] / 1:9.0f}")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="1b")
+    ap.add_argument("--variants", default="default;MEGART_STREAM_SLOTS=0")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--nw", type=int, default=None)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        log("stream_bench times the GPU; no CUDA device here")
+        return 2
+    bw, how = hbm_bandwidth(torch.device("cuda"))
+    log(f"HBM read bandwidth {bw / 1e12:.3f} TB/s ({how})")
+    out = dict(bandwidth=bw, bandwidth_how=how, results=[])
+    for name in args.configs.split(","):
+        cfg = llama.config(name)
+        W = llama.make_weights(cfg, 0, torch.device("cuda"))
+        prefix = llama.make_kv_cache(cfg, 1, torch.device("cuda"))
+        for v in args.variants.split(";"):
+            defines = parse_variant(v)
+            try:
+                rec = run_variant(cfg, W, prefix, args.nw, defines, args.steps, bw, not args.no_profile)
+            except Exception as exc:   # one variant that does not build or run must not hide the others
+                rec = dict(defines=defines, error=f"{type(exc).__name__}: {exc}")
+                log(f"[{name}] {v or 'default'}: {rec['error']}")
+                out["results"].append(dict(config=name, **rec))
+                continue
+            rec["config"] = name
+            out["results"].append(rec)
+            log(f"[{name}] {v or 'default'}: {rec['megart_us']:.1f} us/step, {rec['x_floor']:.3f} x floor "
+                f"(floor {rec['floor_us']:.0f}), relerr {rec['relerr_first_step']:.4f}, stream slots "
+                f"{rec['stream_slots']}, {rec['registers']} regs")
+            log(calls_text(rec))
+        del W, prefix
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

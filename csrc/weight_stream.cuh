@@ -1,0 +1,376 @@
+// The weight stream: each compute warp's weight stages flow through a shared-memory ring that lives for
+// the whole launch and runs ahead across instance boundaries, fed by a producer warp.
+//
+// Weights are read-only for the launch, so loading them never waits for an event. Every compute warp w
+// owns kStreamSlots slots of kStreamSlotBytes, each with a "full" mbarrier (the bulk copies land) and an
+// "empty" one (warp w has read it). The warp's *stream* is the concatenation, in queue order, of its
+// stages in every instance of a streamed task type (declared stream=True; the other entries contribute
+// nothing and are stepped over). One extra warp, beside the MEGART_THREADS compute threads, is the
+// producer: its lane w walks the worker's queue ahead for warp w, waits for a free slot and issues the
+// next stage, which may belong to an instance several entries ahead (during an attention call the slots
+// already hold o_proj's first weights). Descriptor reads and copy issue are off the compute warps'
+// path: they wait only for bytes to land. The ring is never re-initialised between instances; the bytes
+// issued but not yet read are capped by the ring itself. The producer never joins the compute threads'
+// barriers (task bodies synchronise with cta_sync(), barrier 1); all threads meet at barrier 0 once at
+// launch start and once at the end.
+//
+// What a stage is belongs to the stream format (the dense matvec stage of tasks/dense_common.cuh: one
+// row pair x up to 256 16-byte chunks); the generated megart_stream_issue() switch asks the task type of
+// queue entry q to issue warp w's next stage. Python (megart/stream.py) sizes the ring and passes its
+// layout in MEGART_STREAM_SLOTS / _OFFSET / _SLOT_BYTES; these headers only static_assert it.
+#pragma once
+namespace megart {
+
+// ---- mbarrier and bulk-copy primitives (the host simulation copies at once and never waits) ----------
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* b) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_inval(unsigned long long* b) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect(unsigned long long* b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory");
+}
+// Every thread of the CTA, the producer warp included (task bodies use cta_sync(): compute threads only).
+__device__ __forceinline__ void cta_sync_all() { asm volatile("bar.sync 0;" ::: "memory"); }
+__device__ __forceinline__ bool mbar_test(unsigned long long* b, unsigned parity) {
+  unsigned done;
+  asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+               : "=r"(done) : "r"(smem_addr(b)), "r"(parity) : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
+  while (!mbar_test(b, parity)) {
+  }
+}
+// The slot was last read through the generic proxy; order those reads before the async-proxy write.
+__device__ __forceinline__ void bulk_load(const void* dst, const void* src, unsigned bytes, unsigned long long* b) {
+  asm volatile("fence.proxy.async.shared::cta;\n\t"
+               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(b)) : "memory");
+}
+// Same, with an L2 policy (streamed weights are read once: evict-first).
+__device__ __forceinline__ void bulk_load_hint(const void* dst, const void* src, unsigned bytes, unsigned long long* b,
+                                               unsigned long long policy) {
+  asm volatile("fence.proxy.async.shared::cta;\n\t"
+               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(b)), "l"(policy) : "memory");
+}
+#else
+// Host simulation: a copy lands at once, so *b counts the barrier's completed phases; a wait on a phase
+// that has not completed would block forever on the device, and is reported (megart_host_fault).
+inline void mbar_init(unsigned long long* b) {
+  if (reinterpret_cast<uintptr_t>(b) % 8) megart_host_fault("mbarrier not 8-byte aligned");
+  *b = 0;
+}
+inline void mbar_inval(unsigned long long* b) { *b = ~0ull; }
+inline void mbar_init_fence() {}
+inline void mbar_expect(unsigned long long* b, unsigned) {
+  if (*b == ~0ull) megart_host_fault("arrive on an invalidated mbarrier");
+  ++*b;
+}
+inline void mbar_arrive(unsigned long long* b) { mbar_expect(b, 0); }
+inline void cta_sync_all() { __syncthreads(); }  // (the host simulation runs the compute threads only)
+inline bool mbar_test(unsigned long long* b, unsigned parity) {
+  if (*b == ~0ull) megart_host_fault("wait on an invalidated mbarrier");
+  return (*b & 1) != (parity & 1);
+}
+inline void mbar_wait(unsigned long long* b, unsigned parity) {
+  if (!mbar_test(b, parity)) megart_host_fault("mbarrier wait on a phase that never completes");
+}
+inline void bulk_load(const void* dst, const void* src, unsigned bytes, unsigned long long*) {
+  if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16 || bytes % 16 || !bytes)
+    megart_host_fault("bulk copy address or size not a 16-byte multiple");
+  std::memcpy(const_cast<void*>(dst), src, bytes);
+}
+inline void bulk_load_hint(const void* dst, const void* src, unsigned bytes, unsigned long long* b, unsigned long long) {
+  bulk_load(dst, src, bytes, b);
+}
+#endif
+
+// StreamOn<params struct>::value: this type's body reads its weights from the stream. Codegen specialises
+// it for each streamed type of a kernel with a ring; a type overridden by a candidate body is not streamed.
+template <class P>
+struct StreamOn {
+  static constexpr bool value = false;
+};
+
+#ifndef MEGART_STREAM_SLOTS
+#define MEGART_STREAM_SLOTS 0
+#endif
+constexpr int kStreamSlots = MEGART_STREAM_SLOTS;
+constexpr int kStreamWarps = MEGART_THREADS / 32;
+
+// Producer state of compute warp w (kept by producer lane w) and the warp's read count (kept by warp w).
+struct WarpStream {
+  int q;          // queue entry (global descriptor index) whose stages are being issued
+  int fresh;      // 1: `cursor` not yet set up for entry q
+  unsigned issued;    // stages issued since the launch began (slot = n % kStreamSlots)
+  unsigned consumed;  // stages warp w has read (written by the warp; read at the end)
+  int cursor[12];     // the stream format's position inside entry q (opaque here)
+};
+
+#if MEGART_STREAM_SLOTS > 0
+#if !defined(MEGART_STREAM_OFFSET) || !defined(MEGART_STREAM_SLOT_BYTES)
+#error "MEGART_STREAM_SLOTS needs the ring layout from megart/stream.py"
+#endif
+static_assert(MEGART_STREAM_OFFSET % 128 == 0, "the stream ring starts 128-byte aligned");
+static_assert(kStreamWarps <= 32, "one producer lane per compute warp");
+constexpr int kStreamOffset = MEGART_STREAM_OFFSET, kStreamSlotBytes = MEGART_STREAM_SLOT_BYTES;
+// Who produces: a producer warp beside the compute warps (MEGART_STREAM_PRODUCER=1, the default), or
+// lane 0 of each compute warp, inline, each time the warp frees a slot (0; always so in the host
+// simulation, which runs the compute threads only).
+#if !defined(__CUDA_ARCH__)
+constexpr bool kProducerWarp = false;
+#elif defined(MEGART_STREAM_PRODUCER)
+constexpr bool kProducerWarp = MEGART_STREAM_PRODUCER != 0;
+#else
+constexpr bool kProducerWarp = true;
+#endif
+// Hang records name the ring: event -1 - slot for a stage that never landed, kHangSlotFree - slot for a
+// slot the producer waited on and that was never read.
+constexpr int kHangSlotFree = -1001;
+
+// Launch-wide state, one per CTA (static shared memory): where the queue is, what the watchdog needs,
+// each warp's producer state and its slots' mbarriers.
+struct StreamShared {
+  unsigned long long full[kStreamWarps * kStreamSlots];
+  unsigned long long empty[kStreamWarps * kStreamSlots];
+  const TaskDesc* descs;
+  char* smem;  // the dynamic shared memory (the slots start at kStreamOffset)
+  int q0, q1;  // this worker's queue
+  int worker, queue_pos, type, instance;  // the instance running now (for a hang record)
+  long long* ctrl;
+  long long watchdog_ns;
+  WarpStream warp[kStreamWarps];
+};
+__shared__ StreamShared s_stream;
+
+// Generated after the task bodies (codegen): asks entry d's type to issue compute warp `warp`'s next
+// stage into `slot`. Returns false when the entry has no (more) stages for that warp.
+__device__ bool megart_stream_issue(const TaskDesc& d, WarpStream& ws, int warp, int slot);
+
+__device__ __forceinline__ unsigned long long* stream_full(int warp, int slot) {
+  return &s_stream.full[warp * kStreamSlots + slot];
+}
+__device__ __forceinline__ unsigned long long* stream_empty(int warp, int slot) {
+  return &s_stream.empty[warp * kStreamSlots + slot];
+}
+__device__ __forceinline__ char* stream_slot(int warp, int slot) {
+  return s_stream.smem + kStreamOffset + (size_t)(warp * kStreamSlots + slot) * kStreamSlotBytes;
+}
+
+// Spin until phase `parity` of barrier b completes. Bounded: leaves (false) once any watchdog fired, and
+// past `limit_ns` records a hang (event `ev`, have = the warp's stage number, need = the warp).
+__device__ __forceinline__ bool stream_wait(unsigned long long* b, unsigned parity, long long limit_ns, int ev,
+                                            int warp, unsigned stage) {
+  if (mbar_test(b, parity)) return true;
+#ifdef __CUDA_ARCH__
+  const unsigned long long start = globaltimer();
+  for (unsigned iter = 1;; ++iter) {
+    if (mbar_test(b, parity)) return true;
+    if ((iter & 63) == 0) {
+      if (ld_relaxed(s_stream.ctrl + kCtrl_abort) != 0) return false;
+      if ((long long)(globaltimer() - start) > limit_ns) {
+        if ((threadIdx.x & 31) == 0 || threadIdx.x >= MEGART_THREADS)
+          raise_hang(s_stream.ctrl, WaitSite{s_stream.worker, s_stream.queue_pos, s_stream.type, s_stream.instance},
+                     ev, stage, (unsigned)warp);
+        return false;
+      }
+    }
+  }
+#else
+  (void)limit_ns; (void)ev; (void)warp; (void)stage;
+  megart_host_fault("weight stream: a wait on a phase that never completes (consumers and producer disagree)");
+  return false;
+#endif
+}
+
+// One producer step for warp w: issue its next stage into the next slot, or step over an entry with no
+// (more) stages for it. The caller has made sure the slot is free. Returns false at the end of the queue.
+__device__ __forceinline__ bool stream_step(WarpStream& ws, int warp) {
+  if (ws.q >= s_stream.q1) return false;
+  if (megart_stream_issue(s_stream.descs[ws.q], ws, warp, (int)(ws.issued % kStreamSlots))) {
+    ws.fresh = 0;
+    ++ws.issued;
+  } else {
+    ++ws.q;
+    ws.fresh = 1;
+  }
+  return true;
+}
+
+// Inline production (no producer warp): lane 0 of warp w runs the producer's steps as far ahead as the
+// ring allows. A slot is reused only after its previous stage was read (the empty barrier's phase).
+__device__ __forceinline__ void stream_inline_produce(WarpStream& ws, int warp) {
+  while (ws.issued - ws.consumed < (unsigned)kStreamSlots && ws.q < s_stream.q1) {
+#ifndef __CUDA_ARCH__
+    const unsigned use = ws.issued / kStreamSlots;
+    if (use > 0 && !mbar_test(stream_empty(warp, (int)(ws.issued % kStreamSlots)), (use - 1) & 1u))
+      megart_host_fault("weight stream: the producer reuses a slot whose stage was never read");
+#endif
+    stream_step(ws, warp);
+  }
+}
+
+// Launch start, every thread of the CTA (barrier 0, which the producer warp joins too): producer lane w
+// initialises warp w's barriers and producer state. (Host simulation: lane 0 of warp w plays producer
+// lane w, and fills the ring at once.)
+__device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int q1, int worker, long long* ctrl,
+                                             long long watchdog_ns, char* smem) {
+  if (threadIdx.x == 0) {
+    s_stream.descs = descs;
+    s_stream.smem = smem;
+    s_stream.q0 = q0;
+    s_stream.q1 = q1;
+    s_stream.worker = worker;
+    s_stream.ctrl = ctrl;
+    s_stream.watchdog_ns = watchdog_ns;
+    s_stream.queue_pos = s_stream.type = s_stream.instance = -1;
+  }
+  cta_sync_all();
+  const int lane = threadIdx.x & 31;
+  const bool producer =
+      kProducerWarp ? threadIdx.x >= MEGART_THREADS && threadIdx.x < MEGART_THREADS + kStreamWarps : lane == 0;
+  const int w = kProducerWarp ? lane : (int)(threadIdx.x >> 5);
+  if (producer) {
+    for (int s = 0; s < kStreamSlots; ++s) {
+      mbar_init(stream_full(w, s));
+      mbar_init(stream_empty(w, s));
+    }
+    mbar_init_fence();
+    WarpStream& ws = s_stream.warp[w];
+    ws.q = q0;
+    ws.fresh = 1;
+    ws.issued = ws.consumed = 0;
+    if (!kProducerWarp) stream_inline_produce(ws, w);
+  }
+  cta_sync_all();
+}
+
+// The producer warp's whole launch: lane w < kStreamWarps streams warp w's stages. The lanes stay
+// converged: each round, every lane whose next slot is free (warp w has read the slot's previous stage:
+// the empty barrier's phase) issues into it, and a round in which no lane could issue backs off briefly.
+// (Lanes spinning apart on their own barriers would be scheduled one path at a time.) Leaves at the end of
+// the queue, or once any watchdog fired; a slot that stays taken for twice the watchdog is recorded as a
+// hang, so a consumer's own wait (which names the event it is stuck on) is reported first.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ void stream_produce() {
+  const int w = threadIdx.x & 31;
+  WarpStream* ws = w < kStreamWarps ? &s_stream.warp[w] : nullptr;
+  unsigned long long since = globaltimer();  // last time any lane issued
+  for (unsigned round = 1;; ++round) {
+    bool live = false, issued = false;
+    if (ws && ws->q < s_stream.q1) {
+      live = true;
+      const unsigned use = ws->issued / kStreamSlots;
+      if (use == 0 || mbar_test(stream_empty(w, (int)(ws->issued % kStreamSlots)), (use - 1) & 1u))
+        issued = stream_step(*ws, w);
+    }
+    if (!__any_sync(0xffffffffu, live)) return;
+    if (__any_sync(0xffffffffu, issued)) {
+      since = globaltimer();
+      continue;
+    }
+    __nanosleep(64);
+    if ((round & 63) == 0) {
+      int stop = 0;
+      if (w == 0) {
+        if (ld_relaxed(s_stream.ctrl + kCtrl_abort) != 0) {
+          stop = 1;
+        } else if ((long long)(globaltimer() - since) > 2 * s_stream.watchdog_ns) {
+          const WarpStream& h = s_stream.warp[0];  // (warp 0's slot stands for the stuck ring)
+          raise_hang(s_stream.ctrl, WaitSite{s_stream.worker, s_stream.queue_pos, s_stream.type, s_stream.instance},
+                     kHangSlotFree - (int)(h.issued % kStreamSlots), h.issued, 0u);
+          stop = 1;
+        }
+      }
+      if (__shfl_sync(0xffffffffu, stop, 0)) return;
+    }
+  }
+}
+#endif  // __CUDA_ARCH__
+
+// Registers. A CTA of MEGART_THREADS + 32 threads puts 3 warps on one of the SM's four register-file
+// quarters, which caps every thread at 168 registers. So where the compute threads are whole warpgroups
+// the producer is a warpgroup of its own (MEGART_PRODUCER_THREADS = 128; one warp of it works), which
+// gives registers back (setmaxnreg.dec) that the compute warpgroups take (setmaxnreg.inc).
+#ifndef MEGART_PRODUCER_THREADS
+#define MEGART_PRODUCER_THREADS 32
+#endif
+__device__ __forceinline__ void stream_compute_regs() {
+#if defined(MEGART_COMPUTE_REGS) && defined(__CUDA_ARCH__)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(MEGART_COMPUTE_REGS));
+#endif
+}
+__device__ __forceinline__ void stream_producer_role() {
+#if defined(MEGART_PRODUCER_REGS) && defined(__CUDA_ARCH__)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MEGART_PRODUCER_REGS));
+#endif
+#ifdef __CUDA_ARCH__
+  if (threadIdx.x < MEGART_THREADS + 32) stream_produce();
+#endif
+  cta_sync_all();
+}
+
+// Thread 0, before the instance's wait: who is running, for a hang record naming the ring slot.
+__device__ __forceinline__ void stream_note(int queue_pos, int type, int instance) {
+  s_stream.queue_pos = queue_pos;
+  s_stream.type = type;
+  s_stream.instance = instance;
+}
+
+// Compute warp side, all 32 lanes: the warp's next stage, once it has landed. After an abort the bytes may
+// be stale; the body runs on and the worker leaves at its next wait.
+__device__ __forceinline__ const char* stream_acquire(int warp) {
+  const unsigned j = s_stream.warp[warp].consumed;
+  const int slot = (int)(j % kStreamSlots);
+  stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, s_stream.watchdog_ns, -1 - slot, warp, j);
+  return stream_slot(warp, slot);
+}
+
+// The warp has read its stage: lane 0 frees the slot for the producer (the mbarrier arrive releases the
+// warp's reads, which __syncwarp ordered before it) and counts the stage; with inline production it
+// also issues the next stages here.
+__device__ __forceinline__ void stream_release(int warp) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) {
+    WarpStream& ws = s_stream.warp[warp];
+    const unsigned j = ws.consumed;
+    mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
+    ws.consumed = j + 1;
+    if (!kProducerWarp) stream_inline_produce(ws, warp);
+  }
+  __syncwarp();
+}
+
+// Launch end or abort, compute threads, after barrier 0 (the producer has left): lane 0 of each warp
+// waits (bounded) for every stage still landing, so no copy writes shared memory after the CTA exits, and
+// invalidates the barriers. Returns the stages issued but never read: 0 unless the launch was aborted
+// (or the producer and the consumers disagree).
+__device__ __forceinline__ unsigned stream_end() {
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) != 0 || threadIdx.x >= MEGART_THREADS) return 0;
+  WarpStream& ws = s_stream.warp[warp];
+  const unsigned unread = ws.issued - ws.consumed;
+  for (unsigned j = ws.consumed; j != ws.issued; ++j) {
+    const int slot = (int)(j % kStreamSlots);
+    stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, s_stream.watchdog_ns, -1 - slot, warp, j);
+  }
+  for (int s = 0; s < kStreamSlots; ++s) {
+    mbar_inval(stream_full(warp, s));
+    mbar_inval(stream_empty(warp, s));
+  }
+  return unread;
+}
+#endif  // MEGART_STREAM_SLOTS > 0
+
+}  // namespace megart

@@ -1,0 +1,28 @@
+"""What a kernel is specialised on (CTA size, CTAs per SM, profiling, tuning macros). Bottom floor:
+task declarations and the stream sizing read it, codegen consumes it, nothing here imports upward."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KernelConfig:
+    threads: int = 256
+    profile: bool = False
+    min_blocks: int = 1         # __launch_bounds__ minimum CTAs per SM (2 when nw exceeds the SM count)
+    defines: dict = field(default_factory=dict)   # tuning macros (e.g. MEGART_PREFETCH_KB), part of the cache key
+
+
+def env_defines() -> dict:
+    """MEGART_DEFINES="NAME=VALUE,FLAG": tuning macros for every kernel this process compiles."""
+    out = {}
+    for item in filter(None, (x.strip() for x in os.environ.get("MEGART_DEFINES", "").split(","))):
+        name, _, value = item.partition("=")
+        out[name.strip()] = value.strip() or "1"
+    return out
+
+
+def caller_macros(cfg: KernelConfig) -> dict:
+    """The macros the caller asked for: MEGART_DEFINES, overridden by the kernel's own `defines`."""
+    return {**env_defines(), **cfg.defines}

@@ -1,0 +1,116 @@
+"""Sizing of the launch-wide weight stream (csrc/weight_stream.cuh): which task types of a kernel stream
+their weights, how many ring slots each warp gets, and where the ring sits in shared memory.
+
+The ring comes after the largest per-instance shared memory of the kernel's types (it must survive every
+instance), so its depth depends on the whole kernel. Little's law sets what it must hold: at ~33 KB per
+us per SM (4.3 TB/s over 132 SMs) and ~1-1.5 us of loaded latency, >= ~50 KB per SM in flight keeps
+the SM's share of HBM busy; 8 warps x 2-3 slots x 8 KB = 128-192 KB also covers a dependency wait.
+The stream is opt-in: MEGART_STREAM_SLOTS=N (a kernel macro) gives N slots per warp, "auto" sizes the
+ring from the shared memory left; unset or 0 keeps the register engine (measured faster on the Llama
+step so far: bench/RESULTS.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import KernelConfig, caller_macros
+from .errors import GraphError
+from .registry import USER_ID_BASE
+
+SLOT_BYTES = 2 * 256 * 16      # one dense stage: a row pair x 256 16-byte chunks (tasks/dense_common.cuh)
+SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
+STATIC_RESERVE = 2048          # static shared memory of the worker (descriptor slots, stream state)
+MAX_SLOTS = 4                  # past this the warps' stages already cover several us of HBM time
+MIN_AUTO_SLOTS = 2             # one slot per warp cannot load a stage while the warp reads the last one
+ALIGN = 128
+WARPGROUP = 128                # setmaxnreg works per warpgroup (4 warps)
+REGS_PER_SM = 65536
+PRODUCER_REGS = 48             # the producer loop spills below this (ptxas, Llama-1B kernel); the compute warps get the rest
+MAX_REGS = 256
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    slots: int = 0             # per warp; 0 = no stream
+    offset: int = 0            # dynamic shared memory offset of the first slot
+    types: tuple = ()          # names of the streamed task types
+    producer_warp: bool = True  # a producer warp beside the compute warps, or lane 0 of each warp inline
+
+    def producer_threads(self, threads: int) -> int:
+        """The producer's threads: a warpgroup (which can hand registers to the compute warpgroups) where
+        the compute threads are whole warpgroups, else one warp; 0 without a producer warp."""
+        if not (self.slots and self.producer_warp):
+            return 0
+        return WARPGROUP if threads % WARPGROUP == 0 else 32
+
+    def block_threads(self, threads: int) -> int:
+        """CTA size: the compute threads, plus the producer's."""
+        return threads + self.producer_threads(threads)
+
+    def register_split(self, threads: int) -> tuple[int, int] | None:
+        """(compute, producer) registers per thread after setmaxnreg, or None (no hand-over)."""
+        if self.producer_threads(threads) != WARPGROUP:
+            return None
+        compute = min(MAX_REGS, (REGS_PER_SM - WARPGROUP * PRODUCER_REGS) // threads // 8 * 8)
+        return compute, PRODUCER_REGS
+
+    def ring_bytes(self, threads: int) -> int:
+        return (threads // 32) * self.slots * SLOT_BYTES if self.slots else 0
+
+    def defines(self, threads: int) -> dict:
+        if not self.slots:
+            return {"MEGART_STREAM_SLOTS": 0}
+        out = {"MEGART_STREAM_SLOTS": self.slots, "MEGART_STREAM_OFFSET": self.offset,
+               "MEGART_STREAM_SLOT_BYTES": SLOT_BYTES, "MEGART_STREAM_PRODUCER": int(self.producer_warp),
+               "MEGART_PRODUCER_THREADS": self.producer_threads(threads)}
+        split = self.register_split(threads)
+        if split:
+            out["MEGART_COMPUTE_REGS"], out["MEGART_PRODUCER_REGS"] = split
+        return out
+
+
+def _forced(cfg: KernelConfig) -> int | None:
+    """MEGART_STREAM_SLOTS: unset or 0 = off (the default: measured slower on the Llama step, see
+    docs/ARCHITECTURE.md), N = N slots per warp, "auto" = as many as shared memory allows (2..4)."""
+    v = caller_macros(cfg).get("MEGART_STREAM_SLOTS", 0)
+    if str(v).strip().lower() == "auto":
+        return None
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise GraphError(f"MEGART_STREAM_SLOTS={v!r}: expected a non-negative integer (0 turns the stream off)") from None
+    if n < 0:
+        raise GraphError(f"MEGART_STREAM_SLOTS={n}: expected a non-negative integer (0 turns the stream off)")
+    return n
+
+
+def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLayout:
+    """The ring of a kernel of `types`. A type whose body is overridden (a candidate) is not streamed: its
+    body need not consume the stream. Per-instance shared memory comes first, the ring after it."""
+    overrides = overrides or {}
+    if any(t.id >= USER_ID_BASE for t in types):
+        return StreamLayout()   # a user body may size loops by blockDim.x, which the producer warp would change
+    names = tuple(t.name for t in types if t.stream and t.name not in overrides)
+    forced = _forced(cfg)
+    old_ring = int(caller_macros(cfg).get("MEGART_DENSE_RING_SLOTS", 0) or 0)
+    if old_ring > 0:
+        if forced:
+            raise GraphError("MEGART_DENSE_RING_SLOTS (the per-instance ring) and MEGART_STREAM_SLOTS (the weight "
+                             "stream) both use the dense types' shared memory: set one of them")
+        return StreamLayout()
+    if not names or forced == 0:
+        return StreamLayout()
+    offset = -(-max([t.shared_bytes(cfg) for t in types] + [0]) // ALIGN) * ALIGN
+    warps = cfg.threads // 32
+    if forced is not None:
+        slots = forced
+    elif cfg.min_blocks > 1:
+        slots = 0               # two CTAs per SM: no room for a ring worth having
+    else:
+        room = SMEM_PER_BLOCK - STATIC_RESERVE - offset
+        slots = min(MAX_SLOTS, room // (warps * SLOT_BYTES))
+        if slots < MIN_AUTO_SLOTS:
+            slots = 0
+    if not slots:
+        return StreamLayout()
+    producer = str(caller_macros(cfg).get("MEGART_STREAM_PRODUCER", "1")).strip() not in ("0", "")
+    return StreamLayout(slots=slots, offset=offset, types=names, producer_warp=producer)
