@@ -10,12 +10,11 @@
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
 
-from . import codegen, occupancy, registry
+from . import codegen, occupancy, options, registry
 from .compile import Compiled, compile_source
 from .emulate import emulate as _emulate
 from .errors import DeviceError, GraphError, HangError
@@ -28,16 +27,13 @@ DEFAULT_ARCH = "sm_90a"
 DEFAULT_CPU_SMS = 132   # the H200 this project targets, used when there is no GPU to ask
 
 
-def _watchdog_default() -> float:
-    return float(os.environ.get("MEGART_WATCHDOG_S", "5"))
-
-
 class PersistentKernel:
     """A graph of task instances run by `nw` co-resident worker CTAs in one launch per step."""
 
     def __init__(self, nw: int | None = None, *, device=None, arch: str | None = None, threads: int = 256,
                  profile: bool = False, profile_steps: int = 16, watchdog_s: float | None = None,
                  source_overrides: dict | None = None, sm_count: int | None = None, defines: dict | None = None):
+        sm_count = options.check_sm_count(sm_count)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -64,11 +60,12 @@ class PersistentKernel:
         self.threads = threads
         self.profiling = profile
         self.profile_steps = profile_steps
-        self.watchdog_s = _watchdog_default() if watchdog_s is None else float(watchdog_s)
+        self.watchdog_s = options.watchdog_default() if watchdog_s is None else float(watchdog_s)
         if not 0 < self.watchdog_s < 3600:
             raise GraphError(f"watchdog_s must be in (0, 3600), got {self.watchdog_s}")
-        self.source_overrides = dict(source_overrides or {})
-        self.defines = dict(defines or {})   # tuning macros for the device code (see codegen.env_defines)
+        self.source_overrides = options.check_overrides(source_overrides or {})
+        self.defines = options.check_defines(defines or {})   # tuning macros (see codegen.env_defines)
+        codegen.env_defines()                # a malformed MEGART_DEFINES fails here, naming itself
         self.graph = Graph(self.nw, self.device)
         self.schedule: Schedule | None = None
         self.compiled: Compiled | None = None

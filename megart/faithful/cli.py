@@ -9,14 +9,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
 from . import codes
 from .codes import GateError
+from .jsonsafe import dumps as json_line
 
 PROG = "python -m megart.faithful"
 
@@ -100,7 +102,7 @@ def _warn(msg: str) -> None:
 def _append_json(path: str, rec: dict) -> None:
     try:
         with open(path, "a") as f:
-            f.write(json.dumps(rec, sort_keys=True) + "\n")
+            f.write(json_line(rec) + "\n")
     except OSError as exc:
         raise GateError(codes.USAGE, f"--json {path}: cannot write: {exc}") from None
 
@@ -133,45 +135,80 @@ def do_list() -> int:
 
 
 def run_gate(args) -> int:
-    from . import context as ctxmod
-    from .run import GateConfig, cpu_point, gpu_usable, prepare, summary_json
+    from .run import GateConfig, prepare
     if not args.task:
         raise GateError(codes.USAGE, "--task is required (see --list for the tasks with a gate).")
-    timing_asked = bool(args.iters is not None or args.sweep_workers or args.json or args.require_gpu)
     cfg = GateConfig(task=args.task, shape=args.shape, nw=args.nw, kernel=args.kernel, decode_m1=args.decode_m1,
                      context=args.context, iters=50 if args.iters is None else args.iters, warmup=args.warmup,
                      repeats=args.repeats,
                      tiles=args.tiles, seed=args.seed, l2=args.l2, sm_count=args.sm_count)
     if cfg.nw is not None and cfg.nw < 1:
         raise GateError(codes.USAGE, f"--num-workers must be >= 1 (got {cfg.nw}).")
+    _check_lock_vs_json(args)
     workers = _parse_workers(args.sweep_workers) if args.sweep_workers else None
     p = prepare(cfg)
+    try:                                 # from here on the candidate may hold a temporary directory
+        return _run_prepared(args, p, workers)
+    finally:
+        p.cand.close()
+
+
+def _check_lock_vs_json(args) -> None:
+    from .lock import default_path
+    if args.json:
+        lock = Path(args.lock_file) if args.lock_file else default_path()
+        if lock.resolve() == Path(args.json).resolve():
+            raise GateError(codes.USAGE, f"--lock-file and --json are the same file ({args.json}): the lock file "
+                                         "must be a file of its own, results go to --json.")
+
+
+def _run_prepared(args, p, workers) -> int:
+    from . import context as ctxmod
+    from .run import gpu_usable
+    cfg = p.cfg
     ctx = ctxmod.get(cfg.context)
     why_not = "--cpu was given" if args.cpu else gpu_usable()
-    if why_not and timing_asked:
-        asked = [f for f, on in (("--iters", args.iters is not None), ("--sweep-workers", bool(args.sweep_workers)),
-                                 ("--json", bool(args.json)), ("--require-gpu", args.require_gpu)) if on]
-        raise GateError(codes.NO_GPU, f"timing was asked ({', '.join(asked)}) but it needs a GPU: {why_not}. Run "
-                                      "without those flags for the CPU check (compile, verify, emulate), or run "
-                                      "on a GPU machine.")
+    timing_only = [f for f, on in (("--iters", args.iters is not None), ("--require-gpu", args.require_gpu)) if on]
+    if why_not and timing_only:
+        raise GateError(codes.NO_GPU, f"timing was asked ({', '.join(timing_only)}) but it needs a GPU: {why_not}. "
+                                      "Run without those flags for the CPU check (compile, verify, emulate; --json "
+                                      "and --sweep-workers work there too), or run on a GPU machine.")
     shape = (f"shape {p.shape_str} ({'x'.join(p.spec.dims)})" if ctx is None or cfg.shape is not None
              else f"every {cfg.task} call of the model (one result per shape)")
     _say(f"megart.faithful: task {cfg.task} (task id {p.ttype.id}), {shape}, context {cfg.context}; "
          f"{p.cand.describe()}")
     for n in p.notes:
         _say(f"note: {n}")
-    try:
-        if why_not:
-            nw = cfg.nw or cfg.sm_count or 132
-            _say(f"no GPU ({why_not}): CPU check at nw {nw}")
-            rec = (ctx.cpu_point(p, nw, _say) if ctx is not None else cpu_point(p, nw, _say))
-            _say("FAITHFUL_CPU " + json.dumps(summary_json(rec), sort_keys=True))
-            _say("TIMING NEEDS A GPU: compiled, verified and emulated only; no slowCTA / wall / sumCTA were "
-                 "measured. Run the same command on a GPU machine to time it.")
-            return codes.OK
-        return _gpu_runs(args, p, ctx, workers)
-    finally:
-        p.cand.close()
+    if why_not:
+        return _cpu_runs(args, p, ctx, workers, why_not)
+    return _gpu_runs(args, p, ctx, workers)
+
+
+def _cpu_runs(args, p, ctx, workers, why_not: str) -> int:
+    """Compile, verify and emulate at each worker count; results are marked emulated, with no timings."""
+    from .run import cpu_point, summary_json
+    cfg = p.cfg
+    points = workers or [cfg.nw or cfg.sm_count or 132]
+    _say(f"no GPU ({why_not}): CPU check at nw {', '.join(map(str, points))}")
+    for nw in points:
+        if workers:
+            _say(f"--- {cfg.task} {cfg.context} nw {nw} (emulated) ---")
+        try:
+            rec = ctx.cpu_point(p, nw, _say) if ctx is not None else cpu_point(p, nw, _say)
+        except GateError as exc:         # a failing check still leaves its record in --json
+            if getattr(exc, "record", None) and args.json:
+                _append_json(args.json, summary_json(exc.record))
+            raise
+        line = summary_json(rec)
+        _say("FAITHFUL_CPU " + json_line(line))
+        if args.json:
+            _append_json(args.json, line)
+    if workers:
+        _say("sweep plot skipped: it plots timings, which need a GPU")
+    _say("TIMING NEEDS A GPU: compiled, verified and emulated only; no slowCTA / wall / sumCTA were "
+         "measured. Run the same command on a GPU machine to time it."
+         + (f" --json {args.json} holds the emulated results (\"emulated\": true, no timings)." if args.json else ""))
+    return codes.OK
 
 
 def _gpu_runs(args, p, ctx, workers) -> int:
@@ -226,7 +263,7 @@ def _gpu_runs(args, p, ctx, workers) -> int:
 def _emit(args, rec: dict) -> None:
     from .run import summary_json
     line = summary_json(rec)
-    _say("FAITHFUL_RESULT " + json.dumps(line, sort_keys=True))
+    _say("FAITHFUL_RESULT " + json_line(line))
     if args.json:
         _append_json(args.json, line)
 
@@ -256,14 +293,42 @@ def run_compare(args) -> int:
     for n in notes:
         _say(f"note: {n}")
     for v in verdicts:
-        _say("FAITHFUL_VERDICT " + json.dumps(v.to_dict(), sort_keys=True))
+        _say("FAITHFUL_VERDICT " + json_line(v.to_dict()))
         if args.json:
             _append_json(args.json, v.to_dict())
     return codes.OK
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is, so every `finally` (the candidate's temporary directory,
+    the GPU lock) runs as it does for Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def _sigterm_handler():
+    """Install the SIGTERM handler (main thread only); return what to restore, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    previous = _sigterm_handler()
+    try:
+        return _main(argv)
+    except _Terminated:
+        sys.stderr.write("megart.faithful: terminated (SIGTERM); temporary files removed\n")
+        return 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str]) -> int:
     try:
         if argv and argv[0] == "compare":
             return run_compare(compare_parser().parse_args(argv[1:]))
