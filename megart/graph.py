@@ -2,6 +2,8 @@
 and the data dependencies inferred from which byte ranges each instance reads and writes."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import operator
 
 from dataclasses import dataclass, field
@@ -93,6 +95,13 @@ class Graph:
 
     def task(self, task, *, tiles: int = 1, waits=(), signals=(), after=(), worker=None,
              infer: bool = True, label: str | None = None, **args) -> Group:
+        # The cyclic GC would rescan the growing graph while a big call adds its instances (nothing here is
+        # garbage), which made the build superlinear in the instance count; it runs again afterwards.
+        with _gc_paused():
+            return self._task(task, tiles=tiles, waits=waits, signals=signals, after=after, worker=worker,
+                              infer=infer, label=label, **args)
+
+    def _task(self, task, *, tiles, waits, signals, after, worker, infer, label, **args) -> Group:
         ttype = registry.get(task)
         if ttype.id == registry.BARRIER_ID:
             raise GraphError("use barrier() for grid barriers")
@@ -226,6 +235,17 @@ class Graph:
             else:
                 ns[name] = v
         return SimpleNamespace(**ns)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 MAX_TILES = 1 << 16     # instances one call may ask for: far above any decode grid, far below a hang

@@ -34,7 +34,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _epilog() -> str:
     return ("exit codes:\n" + codes.table_text() + "\n\nOn a machine without a GPU the command compiles (NVRTC, "
-            "sm_90a), verifies and emulates, prints the ptxas report and exits 0; timing needs a GPU.")
+            "sm_90a), verifies and emulates, prints the ptxas report and exits 0; timing needs a GPU (--iters, "
+            "--require-gpu exit 7 there). --json and --sweep-workers work on a CPU and record emulated results.")
 
 
 def gate_parser() -> argparse.ArgumentParser:
@@ -54,22 +55,27 @@ def gate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-m1", action="store_true", help="routed MoE GEMM: one live row per active expert")
     ap.add_argument("--context", default="isolated", help="'isolated' (only this call at the production grid) "
                     "or a model (e.g. llama_1b): the task inside the whole model's megakernel")
-    ap.add_argument("--iters", type=int, default=None, help="profiled steps to time (default 50); asks for timing")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed steps before the profiled ones (default 5)")
+    ap.add_argument("--iters", type=int, default=None, help="profiled steps to time (default 50). Needs a GPU: "
+                    "without one it exits 7")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps before the profiled ones (default 5; GPU "
+                    "only)")
     ap.add_argument("--repeats", type=int, default=3, help="independent timed runs, each over freshly allocated "
-                    "buffers (default 3): their medians' spread is the recorded run-to-run noise")
+                    "buffers (default 3): their medians' spread is the recorded run-to-run noise (GPU only)")
     ap.add_argument("--sweep-workers", metavar="LIST", help="comma-separated worker counts, e.g. 8,64,68,128,132 "
-                    "(128 runs first); writes a PNG of the metrics against nw")
-    ap.add_argument("--plot", metavar="PNG", help="where --sweep-workers writes its plot")
-    ap.add_argument("--json", metavar="OUT.jsonl", help="append each result as one JSON line (for compare)")
+                    "(128 runs first). GPU: times each and writes a PNG of the metrics against nw; CPU: the "
+                    "compile/verify/emulate check at each nw, no plot")
+    ap.add_argument("--plot", metavar="PNG", help="where --sweep-workers writes its plot (GPU only: it plots timings)")
+    ap.add_argument("--json", metavar="OUT.jsonl", help="append each result as one JSON line (for compare). On a "
+                    "CPU the lines are the emulated results: \"emulated\": true, no timings, so compare refuses them")
     ap.add_argument("--tiles", type=int, default=None, help="instances of the call (default: the spec's "
                     "production tiling for the worker count)")
     ap.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     ap.add_argument("--l2", choices=("cold", "warm"), default="cold", help="cold (default): read 256 MiB between "
-                    "steps so weights come from HBM as in a real decode step; warm: no flush")
-    ap.add_argument("--lock-timeout", type=float, default=600.0, help="seconds to wait for the GPU lock (600)")
-    ap.add_argument("--lock-file", help="lock path (default $MEGART_LOCK_DIR/megart-faithful.lock or "
-                    "/tmp/megart-faithful.lock)")
+                    "steps so weights come from HBM as in a real decode step; warm: no flush (GPU only)")
+    ap.add_argument("--lock-timeout", type=float, default=600.0, help="seconds to wait for the GPU lock (600; "
+                    "GPU only)")
+    ap.add_argument("--lock-file", help="lock path, an empty file of its own (default $MEGART_LOCK_DIR/"
+                    "megart-faithful.lock or /tmp/megart-faithful.lock; a non-empty file is refused; GPU only)")
     ap.add_argument("--require-gpu", action="store_true", help="fail (exit 7) instead of the CPU path without a GPU")
     ap.add_argument("--cpu", action="store_true", help="take the CPU path (compile, verify, emulate) even with a GPU")
     ap.add_argument("--sm-count", type=int, default=None, help="CPU path: SMs assumed for co-residency (132)")
@@ -80,12 +86,14 @@ def gate_parser() -> argparse.ArgumentParser:
 def compare_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog=f"{PROG} compare", description="Ratio and verdict (WIN / NULL / REGRESS / SLOUGHING) per "
                  "(task, shape, nw, context), judged on slowCTA AND wall AND sumCTA with the recorded run-to-run "
-                 "spread as the noise band.", epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                 "spread as the noise band. Both files must hold GPU-timed results: emulated (CPU) lines are read "
+                 "but refused with exit 13.", epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("base", help="baseline results (JSONL, or a log with FAITHFUL_RESULT lines)")
     ap.add_argument("cand", help="candidate results")
     ap.add_argument("--band", choices=("noise", "spread"), default="noise",
                     help="noise band per metric: noise = (p90-p10)/median (default) or spread = (max-min)/median")
-    ap.add_argument("--min-band", type=float, default=None, help="smallest band as a fraction (default 0.01)")
+    ap.add_argument("--min-band", type=float, default=None, help="smallest band as a fraction in [0, 1) "
+                    "(default 0.01)")
     ap.add_argument("--json", metavar="OUT.jsonl", help="append the verdicts as JSON lines")
     return ap
 

@@ -16,6 +16,7 @@ import torch
 from .. import registry
 from ..errors import (CompileError, DeviceError, GraphError, HangError, MegartError, RegistryError,
                       ResidencyError, ScheduleError)
+from ..graph import MAX_TILES
 from ..kernel import PersistentKernel
 from . import candidate as candmod
 from . import gates
@@ -70,8 +71,9 @@ def prepare(cfg: GateConfig) -> Prepared:
     if cfg.iters < 1 or cfg.warmup < 0 or cfg.repeats < 1:
         raise GateError(USAGE, f"--iters and --repeats must be >= 1 and --warmup >= 0 (got {cfg.iters}, "
                                f"{cfg.repeats}, {cfg.warmup}).")
-    if cfg.tiles is not None and cfg.tiles < 1:
-        raise GateError(USAGE, f"--tiles must be >= 1 (got {cfg.tiles}).")
+    if cfg.tiles is not None and not 1 <= cfg.tiles <= MAX_TILES:
+        raise GateError(USAGE, f"--tiles must be in [1, {MAX_TILES}] (got {cfg.tiles}): a call is cut into at most "
+                               f"{MAX_TILES} instances.")
     cand = candmod.baseline(ttype) if cfg.kernel is None else candmod.load(cfg.kernel, ttype)
     p = Prepared(cfg, spec, ttype, cand, shape)
     if cfg.decode_m1 and spec.decode_m1 == "native":
