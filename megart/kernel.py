@@ -20,6 +20,7 @@ from .emulate import emulate as _emulate
 from .errors import DeviceError, GraphError, HangError
 from .graph import Graph
 from .layout import CTRL, SPAN_WORDS
+from .nvtx_ranges import ranged
 from .schedule import Schedule, build
 from .verify import verify as _verify
 
@@ -105,6 +106,7 @@ class PersistentKernel:
         cfg = self.kernel_config()
         return max([t.shared_bytes(cfg) for t in self.task_types] + [0])
 
+    @ranged("megart.compile")
     def compile(self, verify: bool = True) -> "PersistentKernel":
         """Schedule, verify (unless told not to: tests of the watchdog), generate, compile and, on a
         GPU, load and check co-residency. Raises before any launch if anything would fail."""
@@ -149,11 +151,13 @@ class PersistentKernel:
                               "emulate(), but running it needs a GPU")
 
     # --- run ----------------------------------------------------------------------------------------
+    @ranged("megart.launch")
     def launch(self) -> None:
         """Enqueue one step on the current torch stream and return at once (no error check)."""
         self._need_gpu()
         self._rt.launch(int(self.watchdog_s * 1e9))
 
+    @ranged("megart.check")
     def check(self) -> int:
         """Wait for enqueued steps (bounded), raise HangError if a watchdog fired; return the step count."""
         self._need_gpu()
@@ -194,10 +198,17 @@ class PersistentKernel:
         return int(self._rt.ctrl[CTRL["step"]].item())
 
     # --- emulate / profile --------------------------------------------------------------------------
+    @ranged("megart.emulate")
     def emulate(self, steps: int = 1, seed: int = 0, host: dict | None = None) -> dict:
         """Run the compiled schedule on the CPU with each task's reference; {tensor name: CPU tensor}."""
         self._need_compiled()
         return _emulate(self.schedule, steps, seed, host)
+
+    def emulated_profile(self, **model):
+        """A Profile of one step of this schedule on a timing model (no GPU needed; labelled EMULATED, never
+        measured): see megart.emulated_spans for the model and its knobs."""
+        from .emulated_spans import emulated_profile
+        return emulated_profile(self, **model)
 
     def reset_profile(self, steps: int | None = None) -> None:
         """Record the next `steps` steps (default profile_steps) into a cleared span buffer."""
@@ -208,10 +219,15 @@ class PersistentKernel:
         self.profile_steps = steps or self.profile_steps
         self._rt.set_span_buffer(self.profile_steps, self.step + 1)
 
+    @ranged("megart.profile_readback")
     def profile(self):
-        """Spans of the recorded steps as a megart.profile.Profile (per task type by numeric id)."""
+        """Spans of the recorded steps as a megart.profile.Profile (per task type by numeric id). Needs a
+        GPU; without one, emulated_profile() gives modelled (never measured) spans of the same schedule."""
         from .profile import Profile
-        self._need_gpu()
+        self._need_compiled()
+        if self._rt is None:
+            raise DeviceError("profile() reads the spans a GPU recorded, and this kernel has no GPU; "
+                              "emulated_profile() gives modelled spans of the same schedule, labelled as emulated")
         if not self.profiling:
             raise GraphError("profiling is compiled out; build the kernel with profile=True")
         self.check()

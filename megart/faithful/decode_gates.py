@@ -1,4 +1,4 @@
-"""Gate specs of the decode task types, at production decode geometry (seeds/002, CALIBRATION.md):
+"""Gate specs of the decode task types, at production decode geometry (docs/METHOD.md):
 
 * dense projections (gemv_m1, gemv_m1_fp8, gate_up_silu): M = 1, one activation row;
 * routed MoE group GEMM (group_gemm_m1): one live token per ACTIVE expert (8 of them); the other
@@ -10,8 +10,8 @@ Inputs and whole-op references come from megart.geometry (seeded randn(out, in) 
 generated on the CPU so every machine builds the same bytes; fp32 references on upcast inputs). The
 whole-op reference is independent of the per-instance CPU references the emulator runs, so the CPU
 check also tests each task's split. The default shapes are the Llama-3.2-1B decode shapes the
-models in megart.models run (CALIBRATION.md), except group_gemm_m1 (a DeepSeek-V3-like expert GEMM,
-the seed's MoE case). An adapter returns None when its task type is not registered.
+models in megart.models run, except group_gemm_m1 (a DeepSeek-V3-like expert GEMM, the routed MoE
+case). An adapter returns None when its task type is not registered.
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def gate_up_silu() -> GateSpec | None:
 
 
 # ---- group_gemm_m1 -------------------------------------------------------------------------------
-ACTIVE_EXPERTS = 8      # bs = 1, top-8 routing: ~4-8 active experts per rank (seeds/002)
+ACTIVE_EXPERTS = 8      # bs = 1, top-8 routing: ~4-8 active experts per rank
 
 
 def _active(e: int, seed: int) -> list[int]:

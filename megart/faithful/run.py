@@ -18,6 +18,7 @@ from ..errors import (CompileError, DeviceError, GraphError, HangError, MegartEr
                       ResidencyError, ScheduleError)
 from ..graph import MAX_TILES
 from ..kernel import PersistentKernel
+from ..nvtx_ranges import ranged
 from . import candidate as candmod
 from . import gates
 from .jsonsafe import strict
@@ -60,6 +61,7 @@ class Prepared:
         return self.spec.shape_str(self.shape)
 
 
+@ranged("faithful.prepare")
 def prepare(cfg: GateConfig) -> Prepared:
     """Everything that needs no device: the spec, the shape, the candidate. Fails fast on bad input."""
     spec = gates.get(cfg.task)
@@ -103,6 +105,7 @@ def fresh_inputs(gi: gates.GateInputs) -> gates.GateInputs:
     return dataclasses.replace(gi, tensors=new, call=call)
 
 
+@ranged("faithful.build")
 def build(p: Prepared, nw: int, device: str, shape: tuple | None = None, profile: bool = True,
           iters: int = 1, inputs: gates.GateInputs | None = None) -> Built:
     shape = p.shape if shape is None else shape
@@ -140,6 +143,7 @@ def build(p: Prepared, nw: int, device: str, shape: tuple | None = None, profile
     return Built(pk, gi, group, tiles, production, shape, call)
 
 
+@ranged("faithful.compile")
 def compile_kernel(p: Prepared, b: Built) -> None:
     try:
         b.pk.compile()
@@ -163,6 +167,7 @@ def result_of(gi: gates.GateInputs, tensors: dict) -> torch.Tensor:
     return gi.result(tensors) if gi.result is not None else tensors[gi.output]
 
 
+@ranged("faithful.check_output")
 def check_output(got: torch.Tensor, gi: gates.GateInputs) -> dict:
     exp = gi.expected.detach().to("cpu", torch.float64)
     g = got.detach().to("cpu").to(torch.float64).reshape(exp.shape)
@@ -241,6 +246,7 @@ def base_record(p: Prepared, b: Built, nw: int, context: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 # the CPU path
 # ------------------------------------------------------------------------------------------------
+@ranged("faithful.cpu_point")
 def cpu_point(p: Prepared, nw: int, say) -> dict:
     """Compile (NVRTC, sm_90a), verify and emulate at `nw` workers; a candidate's CUDA body also runs
     through the host simulation where it can (dense tasks). No timing."""
@@ -312,6 +318,7 @@ def gpu_points(p: Prepared, nw: int, floor: dict, say, context=None) -> list[dic
     return [gpu_point(p, nw, floor, say)]
 
 
+@ranged("faithful.gpu_point")
 def gpu_point(p: Prepared, nw: int, floor: dict, say) -> dict:
     """The isolated gate: only this call's instances at the production grid, `repeats` times over
     freshly allocated buffers (same bytes); the samples are pooled and the spread of the per-repeat
@@ -336,6 +343,7 @@ def gpu_point(p: Prepared, nw: int, floor: dict, say) -> dict:
     return _finish(rec, runs, floor)
 
 
+@ranged("faithful.timed_run")
 def _timed_run(p: Prepared, b: Built, rec: dict, say, first: bool) -> dict:
     from .floor import L2Flush
     cfg, pk = p.cfg, b.pk
