@@ -125,6 +125,16 @@ def test_item10_body_that_cannot_run_on_a_cpu_is_not_a_pass(tmp_path, capsys):
     assert "NOT CHECKED" in out and "PASS" not in out
 
 
+# --- item 12: tiles far beyond any grid fail at once, naming the limit ----------------------------------
+def test_item12_huge_tiles_on_the_command_line_and_in_a_directive(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "--task", "axpy", "--tiles", "100000000")
+    assert rc == codes.USAGE and "--tiles must be in [1, 65536]" in err
+    cand = tmp_path / "many.cuh"
+    cand.write_text("// megart-faithful: include-baseline, tiles=100000000\n")
+    rc, out, err = run_cli(capsys, "--task", "axpy", "--kernel", str(cand))
+    assert rc == codes.USAGE and "more than 65536 instances" in err
+
+
 # --- item 13: SIGTERM cleans up as Ctrl-C does --------------------------------------------------------
 def test_item13_sigterm_removes_the_candidate_temp_dir(tmp_path):
     tmp = tmp_path / "tmp"
