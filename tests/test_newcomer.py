@@ -46,7 +46,7 @@ def test_item17_two_commands_each_in_a_fresh_venv_and_ci_runs_the_second():
 
 
 def test_item17_readme_says_how_to_install_anywhere():
-    install = _section(README, "Install")
+    install = " ".join(_section(README, "Install").split())
     assert "download.pytorch.org/whl/cpu" in install            # the CPU wheel
     assert "--no-index --find-links" in install                   # no network
     assert "keeps that torch" in install                          # an existing CUDA torch is not replaced
