@@ -17,9 +17,11 @@ Per config, on seeded random weights with a prefilled KV cache:
               us/step is the median over --steps steps (after a warm-up), tok/s = 1e6 / us, x floor;
 * breakdown = a second build with the in-kernel profiler: pk.profile().table() per task type, the
               per-call-kind breakdown (wall / slowCTA / sumCTA / wait, summed over layers), and a PNG
-              timeline of one step (megart.trace.plot_timeline).
-Writes <out>/llama_decode.json, <out>/timeline_<config>.png, <out>/profile_<config>.txt; the summary
-table is printed last. --device cpu runs a smoke test of the bookkeeping on the reduced configs.
+              timeline of one step (megart.trace.plot_timeline) and of its calls, layer 0 zoomed, with body vs
+              wait per call kind (megart.trace_calls.plot_calls).
+Writes <out>/llama_decode.json, <out>/timeline_<config>.png, <out>/calls_<config>.png, <out>/profile_<config>.txt; the summary
+table is printed last. --device cpu runs a smoke test of the bookkeeping on the reduced configs: its
+figures are the emulator's and torch-on-CPU times, labelled EMULATED, never GPU timings.
 """
 from __future__ import annotations
 
@@ -218,6 +220,7 @@ def check_once(cfg, m, W, prefix) -> float:
 
 def profile_megart(cfg, W, kv, nw, out_dir: Path, steps: int = 8) -> dict:
     from megart.trace import plot_timeline
+    from megart.trace_calls import calls_of, plot_calls
     m = llama.LlamaModel(cfg, W, kv, nw=nw, profile=True, profile_steps=steps)
     m.reset(cfg.prefill, None if cfg.block else 3)
     for _ in range(3):
@@ -232,15 +235,17 @@ def profile_megart(cfg, W, kv, nw, out_dir: Path, steps: int = 8) -> dict:
     calls = m.call_breakdown(prof)
     walls = prof.step_walls() / 1e3
     png = out_dir / f"timeline_{cfg.name}.png"
+    calls_png = out_dir / f"calls_{cfg.name}.png"
     try:
         plot_timeline(prof, png, title=f"megart {cfg.name}: one decode step")
+        plot_calls(prof, calls_of(m.pk), calls_png, zoom="L0.", title=f"megart {cfg.name}: calls of one decode step")
     except Exception as exc:
         log(f"timeline plot failed: {exc}")
-        png = None
+        png = calls_png = None
     lines = [table, "", _calls_table(calls, median(list(walls)))]
     (out_dir / f"profile_{cfg.name}.txt").write_text("\n".join(lines) + "\n")
     return dict(task_table=table, calls=calls, step_wall_us=median(list(walls)),
-                timeline=str(png) if png else None)
+                timeline=str(png) if png else None, calls_plot=str(calls_png) if calls_png else None)
 
 
 def _calls_table(calls, step_wall) -> str:
@@ -271,7 +276,8 @@ def bench_config(name: str, args, bw: float, device, out_dir: Path, compile_left
     # torch baselines
     ts = TorchStep(cfg, W, prefix)
     res["eager_us"] = median(time_eager(ts, timer, args.eager_steps))
-    log(f"[{name}] eager {res['eager_us']:.0f} us/step")
+    where = "" if device.type == "cuda" else " (torch on the CPU)"
+    log(f"[{name}] eager {res['eager_us']:.0f} us/step{where}")
     if device.type == "cuda":
         try:
             res["graphed_us"] = median(time_graphed(ts, timer, args.steps))
@@ -315,7 +321,11 @@ def bench_config(name: str, args, bw: float, device, out_dir: Path, compile_left
     res["tok_s"] = 1e6 / res["megart_us"]
     res["x_floor"] = res["megart_us"] / res["floor_us"]
     res["achieved_tb_s"] = res["bytes_per_step"] / (res["megart_us"] * 1e-6) / 1e12
-    log(f"[{name}] megart {res['megart_us']:.1f} us/step, {res['x_floor']:.3f} x floor")
+    if device.type == "cuda":
+        log(f"[{name}] megart {res['megart_us']:.1f} us/step, {res['x_floor']:.3f} x floor")
+    else:
+        log(f"[{name}] megart EMULATED on the CPU: {res['megart_us']:.1f} us per emulated step (not a GPU timing)")
+    res["timing"] = "gpu" if device.type == "cuda" else "cpu-emulated"
     del m
     if device.type == "cuda" and not args.no_profile:
         try:
@@ -355,7 +365,15 @@ def fixed_cost(name: str, args, bw: float, device) -> dict:
     return dict(config=name, fixed_us_per_layer=fixed, runs=rows)
 
 
-def summary(results: list, bw: float, bw_how: str) -> str:
+def timing_label(device) -> str:
+    """What the us/step figures are: GPU timings, or (on a CPU) emulator and CPU-torch wall times."""
+    if torch.device(device).type == "cuda":
+        return "us/step medians (CUDA events)"
+    return ("EMULATED on the CPU, not GPU timings: megart = the CPU emulator, eager = torch on the CPU "
+            "(perf_counter medians, us/step); tok/s and x floor are not meaningful here")
+
+
+def summary(results: list, bw: float, bw_how: str, device="cuda") -> str:
     f = lambda v, p=0: "-" if v is None or v != v else f"{v:,.{p}f}"  # noqa: E731
     head = ("config", "floor us", "eager", "graphed", "compiled", "megart us", "tok/s", "x floor", "vs graph",
             "relerr")
@@ -368,7 +386,7 @@ def summary(results: list, bw: float, bw_how: str) -> str:
     widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head))]
     fmt = lambda r: "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])  # noqa
     lines = [f"HBM read bandwidth {bw / 1e12:.3f} TB/s ({bw_how}); floor = bytes/step / bandwidth; "
-             "us/step medians (CUDA events)", fmt(head)] + [fmt(r) for r in rows]
+             + timing_label(device), fmt(head)] + [fmt(r) for r in rows]
     return "\n".join(lines)
 
 
@@ -424,7 +442,7 @@ def main(argv=None):
                     r["fixed_us_per_layer"] = fixed[-1]["fixed_us_per_layer"]
             save()
     log(f"total {time.time() - t0:.0f} s; results in {out_dir}")
-    print(summary(results, bw, bw_how))
+    print(summary(results, bw, bw_how, device))
     return 0
 
 

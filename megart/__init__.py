@@ -1,10 +1,10 @@
 """megart: an LLM decode step (or any graph of GPU tasks) as one persistent CUDA megakernel."""
-from .errors import (CompileError, DeviceError, GraphError, HangError, MegartError, RegistryError,
-                     ResidencyError, ScheduleError)
+from .errors import (CompileError, ConfigError, DeviceError, GraphError, HangError, InputError, MegartError,
+                     RegistryError, ResidencyError, ScheduleError)
 from .kernel import PersistentKernel
 from .registry import Cost, Param, TaskType, ptr, register_task, scalar
 
 __all__ = ["PersistentKernel", "register_task", "TaskType", "Param", "ptr", "scalar", "Cost", "MegartError",
-           "GraphError", "RegistryError", "ScheduleError", "CompileError", "ResidencyError", "DeviceError",
-           "HangError"]
+           "GraphError", "ConfigError", "InputError", "RegistryError", "ScheduleError", "CompileError",
+           "ResidencyError", "DeviceError", "HangError"]
 __version__ = "0.1.0"

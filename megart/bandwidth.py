@@ -1,4 +1,4 @@
-"""The HBM read floor, measured in the same run as whatever it is compared with (CALIBRATION.md):
+"""The HBM read floor, measured in the same run as whatever it is compared with (docs/METHOD.md):
 a read-only kernel with 16-byte loads over a buffer far larger than L2, median of several runs."""
 from __future__ import annotations
 

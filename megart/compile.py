@@ -2,8 +2,11 @@
 
 Cache: MEGART_CACHE_DIR (default ~/.cache/megart), disabled with MEGART_DISABLE_CACHE=1. The key
 hashes the full source, the options, the NVRTC version and the arch. Each entry is a cubin plus a
-JSON file holding the ptxas report and the cubin's hash; both are written to a temp file and
-renamed into place, and an entry whose hash does not match is treated as a miss and rewritten."""
+JSON file holding the ptxas report and one hash over the cubin and that report; both are written to a
+temp file and renamed into place. An entry whose hash does not match, or whose report is not all
+non-negative integers, is a miss and is rewritten. A cache that cannot be written (a read-only
+directory, an entry path taken by a directory) is a warning, once per process; the compile result is
+used without it."""
 from __future__ import annotations
 
 import hashlib
@@ -11,13 +14,14 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .codegen import FILE_NAME, Source
 from .errors import CompileError
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2       # 2: the hash covers the report as well as the cubin
 
 
 @dataclass
@@ -117,16 +121,60 @@ def cache_key(src: Source, arch: str) -> str:
     return h.hexdigest()[:32]
 
 
-def _load_cached(d: Path, key: str) -> Compiled | None:
+def _entry_hash(cubin: bytes, arch: str, report: dict, log: str) -> str:
+    """One hash over everything a cache hit hands back, so no field is trusted beyond it."""
+    h = hashlib.sha256(cubin)
+    h.update(json.dumps({"arch": arch, "report": report, "log": log}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _report_of(raw) -> PtxasReport | None:
+    names = [f.name for f in fields(PtxasReport)]
+    if not isinstance(raw, dict) or set(raw) != set(names):
+        return None
+    if any(type(raw[n]) is not int or raw[n] < 0 for n in names):
+        return None
+    return PtxasReport(**raw)
+
+
+def _load_cached(d: Path, key: str, arch: str) -> Compiled | None:
     meta_p, bin_p = d / f"{key}.json", d / f"{key}.cubin"
     try:
         meta = json.loads(meta_p.read_text())
         cubin = bin_p.read_bytes()
-        if hashlib.sha256(cubin).hexdigest() != meta["cubin_sha256"]:
+        report, log = _report_of(meta["report"]), meta["log"]
+        if report is None or meta["arch"] != arch or not isinstance(log, str):
             return None
-        return Compiled(cubin, PtxasReport(**meta["report"]), key, meta["arch"], True, meta.get("log", ""), bin_p)
-    except (OSError, ValueError, KeyError, TypeError):
+        if _entry_hash(cubin, arch, meta["report"], log) != meta["sha256"]:
+            return None
+        return Compiled(cubin, report, key, arch, True, log, bin_p)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None   # missing or corrupt: recompile and overwrite
+
+
+_warned_cache = False
+
+
+def _warn_cache(d: Path, exc: OSError) -> None:
+    global _warned_cache
+    if not _warned_cache:
+        _warned_cache = True
+        warnings.warn(f"megart compile cache {d} cannot be written ({exc}); compiling without it. Set "
+                      "MEGART_CACHE_DIR to a writable directory, or MEGART_DISABLE_CACHE=1.", RuntimeWarning,
+                      stacklevel=3)
+
+
+def _store(d: Path, key: str, compiled: "Compiled", src: Source) -> None:
+    meta = dict(arch=compiled.arch, report=asdict(compiled.report), log=compiled.log)
+    meta["sha256"] = _entry_hash(compiled.cubin, compiled.arch, meta["report"], compiled.log)
+    try:
+        _atomic_write(d / f"{key}.cubin", compiled.cubin)
+        _atomic_write(d / f"{key}.cu", src.text.encode())
+        _atomic_write(d / f"{key}.json", json.dumps(meta, indent=1).encode())
+    except OSError as exc:
+        _warn_cache(d, exc)
+        return
+    compiled.path = d / f"{key}.cubin"
 
 
 def annotate_log(log: str, src: Source) -> str:
@@ -152,7 +200,7 @@ def compile_source(src: Source, arch: str, use_cache: bool = True) -> Compiled:
     key = cache_key(src, arch)
     d = cache_dir() if use_cache else None
     if d is not None:
-        hit = _load_cached(d, key)
+        hit = _load_cached(d, key, arch)
         if hit is not None:
             return hit
     from cuda.core import Program, ProgramOptions
@@ -179,9 +227,5 @@ def compile_source(src: Source, arch: str, use_cache: bool = True) -> Compiled:
     report = parse_ptxas(text, KERNEL_NAME)
     compiled = Compiled(bytes(obj.code), report, key, arch, False, text)
     if d is not None:
-        meta = dict(arch=arch, report=asdict(report), log=text, cubin_sha256=hashlib.sha256(compiled.cubin).hexdigest())
-        _atomic_write(d / f"{key}.cubin", compiled.cubin)
-        _atomic_write(d / f"{key}.cu", src.text.encode())
-        _atomic_write(d / f"{key}.json", json.dumps(meta, indent=1).encode())
-        compiled.path = d / f"{key}.cubin"
+        _store(d, key, compiled, src)
     return compiled

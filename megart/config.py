@@ -16,11 +16,8 @@ class KernelConfig:
 
 def env_defines() -> dict:
     """MEGART_DEFINES="NAME=VALUE,FLAG": tuning macros for every kernel this process compiles."""
-    out = {}
-    for item in filter(None, (x.strip() for x in os.environ.get("MEGART_DEFINES", "").split(","))):
-        name, _, value = item.partition("=")
-        out[name.strip()] = value.strip() or "1"
-    return out
+    from .options import parse_env_defines
+    return parse_env_defines(os.environ.get("MEGART_DEFINES", ""))
 
 
 def caller_macros(cfg: KernelConfig) -> dict:

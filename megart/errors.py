@@ -9,6 +9,14 @@ class GraphError(MegartError, ValueError):
     """The task graph is malformed: bad tensor, bad parameter, unknown task, shape a task refuses."""
 
 
+class ConfigError(GraphError):
+    """An option of PersistentKernel, or a MEGART_* environment variable, is invalid."""
+
+
+class InputError(MegartError, ValueError):
+    """A value handed to a run (a token id, a model input, a step count) is outside what it accepts."""
+
+
 class RegistryError(MegartError, ValueError):
     """A task type declaration is invalid or clashes with an existing one."""
 

@@ -2,12 +2,15 @@
 and the data dependencies inferred from which byte ranges each instance reads and writes."""
 from __future__ import annotations
 
+import contextlib
+import gc
+import operator
+
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import numpy as np
-
 from . import registry
+from .access_map import AccessMap
 from .errors import GraphError
 from .registry import TaskType
 from .tensors import Tensor, TensorRef, as_ref
@@ -31,6 +34,7 @@ class Instance:
     deps: set = field(default_factory=set)      # uids this instance must run after (data or `after=`)
     waits: list = field(default_factory=list)   # explicit user Events
     signals: list = field(default_factory=list)
+    inferred: bool = True          # its dependencies came from byte-range inference (not infer=False)
 
     @property
     def is_barrier(self) -> bool:
@@ -49,31 +53,6 @@ class Group:
     label: str
 
 
-class _Accesses:
-    """Earlier accesses to one allocation: byte ranges, instance ids, write flags (numpy columns)."""
-
-    def __init__(self):
-        self.lo = np.empty(0, np.int64)
-        self.hi = np.empty(0, np.int64)
-        self.uid = np.empty(0, np.int64)
-        self.write = np.empty(0, bool)
-
-    def conflicts(self, lo: int, hi: int, is_write: bool):
-        hit = (self.lo < hi) & (lo < self.hi)
-        if not is_write:
-            hit &= self.write
-        return self.uid[hit].tolist()
-
-    def add(self, lo: int, hi: int, uid: int, is_write: bool) -> None:
-        if is_write:
-            keep = ~((lo <= self.lo) & (self.hi <= hi))
-            self.lo, self.hi, self.uid, self.write = (c[keep] for c in (self.lo, self.hi, self.uid, self.write))
-        self.lo = np.append(self.lo, lo)
-        self.hi = np.append(self.hi, hi)
-        self.uid = np.append(self.uid, uid)
-        self.write = np.append(self.write, is_write)
-
-
 class Graph:
     def __init__(self, nw: int, device):
         self.nw = nw
@@ -83,7 +62,7 @@ class Graph:
         self.groups: list[Group] = []
         self.events: list[Event] = []
         self.epoch = 0
-        self._accesses: dict = {}   # storage key -> _Accesses, for the current barrier epoch
+        self._accesses: dict = {}   # storage key -> AccessMap, for the current barrier epoch
         self._accesses_epoch = 0
         self._weight_storages: dict = {}    # storage key -> a tensor name, for the weight/write check
         self._written_storages: dict = {}
@@ -116,24 +95,36 @@ class Graph:
 
     def task(self, task, *, tiles: int = 1, waits=(), signals=(), after=(), worker=None,
              infer: bool = True, label: str | None = None, **args) -> Group:
+        # The cyclic GC would rescan the growing graph while a big call adds its instances (nothing here is
+        # garbage), which made the build superlinear in the instance count; it runs again afterwards.
+        with _gc_paused():
+            return self._task(task, tiles=tiles, waits=waits, signals=signals, after=after, worker=worker,
+                              infer=infer, label=label, **args)
+
+    def _task(self, task, *, tiles, waits, signals, after, worker, infer, label, **args) -> Group:
         ttype = registry.get(task)
         if ttype.id == registry.BARRIER_ID:
             raise GraphError("use barrier() for grid barriers")
+        check_tiles(ttype.name, tiles)
+        waits, signals, after = (_as_list(ttype.name, k, v) for k, v in
+                                 (("waits", waits), ("signals", signals), ("after", after)))
         for ev in (*waits, *signals):
             if not isinstance(ev, Event) or ev.index >= len(self.events) or self.events[ev.index] is not ev:
-                raise GraphError(f"{ttype.name}: waits/signals take events made by this kernel's event()")
+                raise GraphError(f"{ttype.name}: waits/signals take events made by this kernel's event(), "
+                                 f"got {ev!r}")
         per_instance = self._split(ttype, tiles, args)
         self._check_weights(ttype, per_instance)
         workers = self._workers(ttype, worker, len(per_instance))
         g = Group(len(self.groups), ttype, [], label or ttype.name)
         after_uids = set()
         for other in after:
-            if not isinstance(other, Group) or other.index >= len(self.groups):
-                raise GraphError(f"{ttype.name}: after= takes groups returned by task()/barrier()")
+            if not isinstance(other, Group) or other.index >= len(self.groups) or self.groups[other.index] is not other:
+                raise GraphError(f"{ttype.name}: after= takes groups returned by this kernel's task()/barrier(); "
+                                 f"{_group_name(other)} is not one")
             after_uids.update(other.uids)
         for params, w in zip(per_instance, workers):
             inst = Instance(len(self.instances), g.index, ttype, params, self.epoch, worker=w,
-                            waits=list(waits), signals=list(signals))
+                            waits=list(waits), signals=list(signals), inferred=infer)
             inst.deps |= {u for u in after_uids if self.instances[u].epoch == self.epoch}
             if infer:
                 inst.deps |= self._infer(inst)
@@ -219,9 +210,9 @@ class Graph:
     def _infer(self, inst: Instance) -> set:
         """Read-after-write, write-after-read and write-after-write dependencies on earlier instances
         of this barrier epoch, by byte-range overlap. Accesses are kept per storage allocation (views of
-        one allocation share a bucket; different allocations cannot overlap) as numpy columns. A write
-        that covers earlier accesses retires them: later accessors depend on the write, which already
-        depends on them."""
+        one allocation share a bucket; different allocations cannot overlap) in an AccessMap: a later
+        accessor depends on the last writer of each byte (and a write on the readers since), which
+        already depends on everything before it."""
         if self._accesses_epoch != self.epoch:      # a barrier orders everything before it
             self._accesses, self._accesses_epoch = {}, self.epoch
         deps = set()
@@ -230,10 +221,8 @@ class Graph:
             if p.kind != "ptr" or ref is None:
                 continue
             lo, hi = ref.byte_range
-            bucket = self._accesses.setdefault(ref.tensor.storage_key, _Accesses())
-            for is_write in ((False,) if not p.writes else (True,) if not p.reads else (False, True)):
-                deps.update(bucket.conflicts(lo, hi, is_write))
-                bucket.add(lo, hi, inst.uid, is_write)
+            bucket = self._accesses.setdefault(ref.tensor.storage_key, AccessMap())
+            deps |= bucket.access(lo, hi, inst.uid, p.reads, p.writes)
         deps.discard(inst.uid)
         return deps
 
@@ -246,3 +235,46 @@ class Graph:
             else:
                 ns[name] = v
         return SimpleNamespace(**ns)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+MAX_TILES = 1 << 16     # instances one call may ask for: far above any decode grid, far below a hang
+
+
+def check_tiles(task: str, tiles) -> None:
+    """`tiles` is a positive int no larger than MAX_TILES (a task's splitter may then cap it at the
+    work it has, e.g. one instance per row pair)."""
+    try:
+        tiles = operator.index(tiles)      # ints and numpy ints; not floats
+    except TypeError:
+        raise GraphError(f"{task}: tiles must be an int, got {tiles!r}") from None
+    if isinstance(tiles, bool):
+        raise GraphError(f"{task}: tiles must be an int, got {tiles!r}")
+    if not 1 <= tiles <= MAX_TILES:
+        raise GraphError(f"{task}: tiles={tiles} is outside [1, {MAX_TILES}]; a call is cut into at most "
+                         f"{MAX_TILES} instances (a few per worker is the usual count)")
+
+
+def _as_list(task: str, what: str, value) -> list:
+    """waits=, signals=, after= take a list; a bare Event or Group is the usual slip."""
+    if isinstance(value, (Event, Group)) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise GraphError(f"{task}: {what}= takes a list (e.g. {what}=[x]), got {_group_name(value)}")
+    return list(value)
+
+
+def _group_name(v) -> str:
+    if isinstance(v, Group):
+        return f"group {v.label!r} (index {v.index})"
+    if isinstance(v, Event):
+        return f"event {v.name!r}"
+    return f"{type(v).__name__} {v!r}"[:120]

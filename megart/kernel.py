@@ -10,26 +10,22 @@
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
 
-from . import codegen, occupancy, registry, stream
+from . import codegen, occupancy, options, registry, stream
 from .compile import Compiled, compile_source
 from .emulate import emulate as _emulate
 from .errors import DeviceError, GraphError, HangError
 from .graph import Graph
 from .layout import CTRL, SPAN_WORDS
+from .nvtx_ranges import ranged
 from .schedule import Schedule, build
 from .verify import verify as _verify
 
 DEFAULT_ARCH = "sm_90a"
 DEFAULT_CPU_SMS = 132   # the H200 this project targets, used when there is no GPU to ask
-
-
-def _watchdog_default() -> float:
-    return float(os.environ.get("MEGART_WATCHDOG_S", "5"))
 
 
 class PersistentKernel:
@@ -38,6 +34,7 @@ class PersistentKernel:
     def __init__(self, nw: int | None = None, *, device=None, arch: str | None = None, threads: int = 256,
                  profile: bool = False, profile_steps: int = 16, watchdog_s: float | None = None,
                  source_overrides: dict | None = None, sm_count: int | None = None, defines: dict | None = None):
+        sm_count = options.check_sm_count(sm_count)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -64,11 +61,12 @@ class PersistentKernel:
         self.threads = threads
         self.profiling = profile
         self.profile_steps = profile_steps
-        self.watchdog_s = _watchdog_default() if watchdog_s is None else float(watchdog_s)
+        self.watchdog_s = options.watchdog_default() if watchdog_s is None else float(watchdog_s)
         if not 0 < self.watchdog_s < 3600:
             raise GraphError(f"watchdog_s must be in (0, 3600), got {self.watchdog_s}")
-        self.source_overrides = dict(source_overrides or {})
-        self.defines = dict(defines or {})   # tuning macros for the device code (see codegen.env_defines)
+        self.source_overrides = options.check_overrides(source_overrides or {})
+        self.defines = options.check_defines(defines or {})   # tuning macros (see codegen.env_defines)
+        codegen.env_defines()                # a malformed MEGART_DEFINES fails here, naming itself
         self.graph = Graph(self.nw, self.device)
         self.schedule: Schedule | None = None
         self.compiled: Compiled | None = None
@@ -115,6 +113,7 @@ class PersistentKernel:
         lay = self.stream_layout()
         return lay.offset + lay.ring_bytes(self.threads) if lay.slots else per_instance
 
+    @ranged("megart.compile")
     def compile(self, verify: bool = True) -> "PersistentKernel":
         """Schedule, verify (unless told not to: tests of the watchdog), generate, compile and, on a
         GPU, load and check co-residency. Raises before any launch if anything would fail."""
@@ -160,11 +159,13 @@ class PersistentKernel:
                               "emulate(), but running it needs a GPU")
 
     # --- run ----------------------------------------------------------------------------------------
+    @ranged("megart.launch")
     def launch(self) -> None:
         """Enqueue one step on the current torch stream and return at once (no error check)."""
         self._need_gpu()
         self._rt.launch(int(self.watchdog_s * 1e9))
 
+    @ranged("megart.check")
     def check(self) -> int:
         """Wait for enqueued steps (bounded), raise HangError if a watchdog fired; return the step count."""
         self._need_gpu()
@@ -205,10 +206,17 @@ class PersistentKernel:
         return int(self._rt.ctrl[CTRL["step"]].item())
 
     # --- emulate / profile --------------------------------------------------------------------------
+    @ranged("megart.emulate")
     def emulate(self, steps: int = 1, seed: int = 0, host: dict | None = None) -> dict:
         """Run the compiled schedule on the CPU with each task's reference; {tensor name: CPU tensor}."""
         self._need_compiled()
         return _emulate(self.schedule, steps, seed, host)
+
+    def emulated_profile(self, **model):
+        """A Profile of one step of this schedule on a timing model (no GPU needed; labelled EMULATED, never
+        measured): see megart.emulated_spans for the model and its knobs."""
+        from .emulated_spans import emulated_profile
+        return emulated_profile(self, **model)
 
     def reset_profile(self, steps: int | None = None) -> None:
         """Record the next `steps` steps (default profile_steps) into a cleared span buffer."""
@@ -219,10 +227,15 @@ class PersistentKernel:
         self.profile_steps = steps or self.profile_steps
         self._rt.set_span_buffer(self.profile_steps, self.step + 1)
 
+    @ranged("megart.profile_readback")
     def profile(self):
-        """Spans of the recorded steps as a megart.profile.Profile (per task type by numeric id)."""
+        """Spans of the recorded steps as a megart.profile.Profile (per task type by numeric id). Needs a
+        GPU; without one, emulated_profile() gives modelled (never measured) spans of the same schedule."""
         from .profile import Profile
-        self._need_gpu()
+        self._need_compiled()
+        if self._rt is None:
+            raise DeviceError("profile() reads the spans a GPU recorded, and this kernel has no GPU; "
+                              "emulated_profile() gives modelled spans of the same schedule, labelled as emulated")
         if not self.profiling:
             raise GraphError("profiling is compiled out; build the kernel with profile=True")
         self.check()

@@ -262,8 +262,11 @@ class Profile:
         task_names: Mapping[int, str] | None = None,
         overflow: int = 0,
         nw: int | None = None,
+        source: str = "measured",
     ) -> None:
         self.records: np.ndarray = _as_records(records)
+        #: "measured" (the device's span buffer), or a description of a model (megart.emulated_spans)
+        self.source = str(source)
         self.task_names: dict[int, str] = {int(k): str(v) for k, v in (task_names or {}).items()}
         self.overflow = int(overflow)
         workers = self.records[:, WORKER]
@@ -272,6 +275,10 @@ class Profile:
             raise ValueError(f"span record has worker {seen_nw - 1} but nw={nw}")
         self.nw: int = int(nw) if nw is not None else seen_nw
         self._cache: dict[int, TaskStats] = {}
+
+    @property
+    def emulated(self) -> bool:
+        return self.source != "measured"
 
     # -- naming ------------------------------------------------------------
     def task_name(self, type_id: int) -> str:
@@ -340,6 +347,8 @@ class Profile:
     def table(self) -> str:
         """Plain-text table of :meth:`summary` (medians over steps, us)."""
         lines: list[str] = []
+        if self.emulated:
+            lines.append(self.source)
         if self.overflow > 0:
             lines.append(
                 f"WARNING: {self.overflow} span records were dropped (profile "
@@ -379,5 +388,6 @@ class Profile:
     def __repr__(self) -> str:
         return (
             f"Profile({self.records.shape[0]} spans, steps={len(self.steps)}, "
-            f"tasks={len(self.task_ids())}, nw={self.nw}, overflow={self.overflow})"
+            f"tasks={len(self.task_ids())}, nw={self.nw}, overflow={self.overflow}"
+            + (", EMULATED)" if self.emulated else ")")
         )

@@ -21,7 +21,31 @@ BARRIER_ID = 1          # the runtime's own grid-barrier arrival; has no body
 JOIN_ID = 6             # a wait-only queue entry the scheduler adds when an instance has too many waits
 NO_BODY = (BARRIER_ID, JOIN_ID)
 USER_ID_BASE = 1000     # ids below are megart's own; user task types take ids from here up
+MAX_ID = 2**31 - 1      # the descriptor's type word is a signed 32-bit int
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Names become C++ identifiers (megart_params_<name>, struct fields): a C++ keyword or a reserved
+# identifier (leading underscore + capital, or a double underscore) would break the generated code.
+_CXX_KEYWORDS = frozenset("""
+alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t char32_t class
+compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield decltype
+default delete do double dynamic_cast else enum explicit export extern false float for friend goto if inline
+int long mutable namespace new noexcept not not_eq nullptr operator or or_eq private protected public register
+reinterpret_cast requires return short signed sizeof static static_assert static_cast struct switch template
+this thread_local throw true try typedef typeid typename union unsigned using virtual void volatile wchar_t
+while xor xor_eq""".split())
+
+
+def _bad_identifier(name) -> str | None:
+    """Why `name` cannot be a task or parameter name (None when it can)."""
+    if not isinstance(name, str) or not _IDENT.match(name):
+        return "must be a C/Python identifier"
+    if keyword.iskeyword(name):
+        return "is a Python keyword"
+    if name in _CXX_KEYWORDS:
+        return "is a C++ keyword"
+    if "__" in name or re.match(r"_[A-Z]", name):
+        return "is a reserved C++ identifier (double underscore, or underscore + capital)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -134,10 +158,12 @@ _BY_ID: dict[int, TaskType] = {}
 
 
 def _validate(t: TaskType, builtin: bool) -> None:
-    if not _IDENT.match(t.name) or keyword.iskeyword(t.name):
-        raise RegistryError(f"task name {t.name!r} must be a C/Python identifier")
-    if not isinstance(t.id, int) or t.id <= 0:
-        raise RegistryError(f"task {t.name!r}: id must be a positive int, got {t.id!r}")
+    why = _bad_identifier(t.name)
+    if why:
+        raise RegistryError(f"task name {t.name!r} {why}")
+    if not isinstance(t.id, int) or isinstance(t.id, bool) or not 0 < t.id <= MAX_ID:
+        raise RegistryError(f"task {t.name!r}: id must be an int in [1, {MAX_ID}] (a signed 32-bit descriptor "
+                            f"word), got {t.id!r}")
     if builtin and t.id >= USER_ID_BASE:
         raise RegistryError(f"built-in task {t.name!r}: ids >= {USER_ID_BASE} are for user task types")
     if not builtin and t.id < USER_ID_BASE:
@@ -146,8 +172,9 @@ def _validate(t: TaskType, builtin: bool) -> None:
         raise RegistryError(f"task {t.name!r} has {len(t.params)} parameters; the descriptor holds {PARAM_WORDS}")
     seen = set()
     for p in t.params:
-        if not _IDENT.match(p.name) or p.name in seen:
-            raise RegistryError(f"task {t.name!r}: bad or duplicate parameter name {p.name!r}")
+        why = _bad_identifier(p.name) or ("is used twice" if p.name in seen else None)
+        if why:
+            raise RegistryError(f"task {t.name!r}: parameter name {p.name!r} {why}")
         seen.add(p.name)
         if p.kind == "ptr":
             if p.dtype not in DTYPES:
@@ -164,6 +191,8 @@ def _validate(t: TaskType, builtin: bool) -> None:
 
 def register(t: TaskType, *, builtin: bool = False) -> TaskType:
     """Add a task type. Re-registering an identical declaration is a no-op; a clash is an error."""
+    if not builtin:
+        _load_builtins()    # so a user type that clashes with a built-in fails here, not at a later lookup
     _validate(t, builtin)
     old = _BY_NAME.get(t.name)
     if old is not None:

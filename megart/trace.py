@@ -77,7 +77,7 @@ def to_chrome_trace(profile: Profile, path: PathLike | None = None) -> dict:
         "traceEvents": events,
         "displayTimeUnit": "ns",
         "otherData": {"t0_ns": t0, "nw": profile.nw, "overflow": profile.overflow,
-                      "steps": profile.steps},
+                      "steps": profile.steps, "source": profile.source},
     }
     if path is not None:
         Path(path).write_text(json.dumps(trace))
@@ -140,7 +140,7 @@ def plot_timeline(
     ax.set_ylim(len(workers) - 0.5, -0.5)
     ax.set_xlabel("time since step start (us)")
     ax.set_ylabel("worker")
-    ax.set_title(title or f"megart step {step}: wall {profile.step_wall(step) / 1e3:.2f} us")
+    ax.set_title(_label(profile, title or f"megart step {step}: wall {profile.step_wall(step) / 1e3:.2f} us"))
     handles = [Patch(color=colour[tid], label=profile.task_name(tid)) for tid in present]
     handles.append(Patch(color="0.85", label="wait"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
@@ -148,6 +148,11 @@ def plot_timeline(
     out = Path(path)
     fig.savefig(out, format="png")
     return out
+
+
+def _label(profile: Profile, title: str) -> str:
+    """Titles of emulated profiles say so, whatever the caller asked for."""
+    return f"{title}\n{profile.source}" if profile.emulated else title
 
 
 def _colours(n: int) -> list:

@@ -69,7 +69,8 @@ def simulate(s: Schedule, execute=None, rng: random.Random | None = None, step: 
 
 
 def verify(s: Schedule) -> None:
-    """Prove the schedule completes; raise ScheduleError otherwise."""
+    """Prove the schedule completes and that no two unordered instances write the same bytes; raise
+    ScheduleError otherwise."""
     for uid, evs in s.waits.items():
         for e in evs:
             if s.events[e].count == 0:
@@ -78,3 +79,16 @@ def verify(s: Schedule) -> None:
                     stuck=[dict(worker=s.worker_of[uid], position=s.pos_of[uid], task=s.instances[uid].type.name,
                                 instance=uid, event=e, event_name=s.events[e].name, have=0, need=0)])
     simulate(s)
+    _check_writers(s)
+
+
+def _check_writers(s: Schedule) -> None:
+    from .races import unordered_writers
+    pairs = unordered_writers(s)
+    if not pairs:
+        return
+    lines = [f"  {s.describe(d['a'])} and {s.describe(d['b'])} both write bytes [{d['bytes'][0]}, {d['bytes'][1]}) "
+             f"of tensor {d['tensor']!r}" for d in pairs]
+    raise ScheduleError("unordered writers: these instances write the same bytes and nothing orders them, so the "
+                        "result depends on timing:\n" + "\n".join(lines) + "\nOrder them with after=[group] or an "
+                        "event, or build the later call with dependency inference (infer=True, the default).")

@@ -28,6 +28,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..graph import MAX_TILES
 from ..sources import read_source
 from .codes import COMPILE, USAGE, GateError
 
@@ -149,6 +150,9 @@ def load(spec: str, ttype) -> Candidate:
                     tiles_scale = float(mm.group(1))
                 else:
                     tiles_abs = int(float(mm.group(1)))
+                if (tiles_abs or 0) > MAX_TILES or (tiles_scale or 0) > MAX_TILES:
+                    raise GateError(USAGE, f"{path}:{n}: directive {item!r} asks for more than {MAX_TILES} "
+                                           "instances, the most one call may have.")
             else:
                 raise GateError(USAGE, f"{path}:{n}: unknown megart-faithful directive {item!r} (known: "
                                        "include-baseline [as=NAME], tiles=Nx, tiles=N).")

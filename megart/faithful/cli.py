@@ -9,14 +9,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
 from . import codes
 from .codes import GateError
+from .jsonsafe import dumps as json_line
 
 PROG = "python -m megart.faithful"
 
@@ -32,7 +34,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _epilog() -> str:
     return ("exit codes:\n" + codes.table_text() + "\n\nOn a machine without a GPU the command compiles (NVRTC, "
-            "sm_90a), verifies and emulates, prints the ptxas report and exits 0; timing needs a GPU.")
+            "sm_90a), verifies and emulates, prints the ptxas report and exits 0; timing needs a GPU (--iters, "
+            "--require-gpu exit 7 there). --json and --sweep-workers work on a CPU and record emulated results.")
 
 
 def gate_parser() -> argparse.ArgumentParser:
@@ -52,22 +55,27 @@ def gate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-m1", action="store_true", help="routed MoE GEMM: one live row per active expert")
     ap.add_argument("--context", default="isolated", help="'isolated' (only this call at the production grid) "
                     "or a model (e.g. llama_1b): the task inside the whole model's megakernel")
-    ap.add_argument("--iters", type=int, default=None, help="profiled steps to time (default 50); asks for timing")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed steps before the profiled ones (default 5)")
+    ap.add_argument("--iters", type=int, default=None, help="profiled steps to time (default 50). Needs a GPU: "
+                    "without one it exits 7")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps before the profiled ones (default 5; GPU "
+                    "only)")
     ap.add_argument("--repeats", type=int, default=3, help="independent timed runs, each over freshly allocated "
-                    "buffers (default 3): their medians' spread is the recorded run-to-run noise")
+                    "buffers (default 3): their medians' spread is the recorded run-to-run noise (GPU only)")
     ap.add_argument("--sweep-workers", metavar="LIST", help="comma-separated worker counts, e.g. 8,64,68,128,132 "
-                    "(128 runs first); writes a PNG of the metrics against nw")
-    ap.add_argument("--plot", metavar="PNG", help="where --sweep-workers writes its plot")
-    ap.add_argument("--json", metavar="OUT.jsonl", help="append each result as one JSON line (for compare)")
+                    "(128 runs first). GPU: times each and writes a PNG of the metrics against nw; CPU: the "
+                    "compile/verify/emulate check at each nw, no plot")
+    ap.add_argument("--plot", metavar="PNG", help="where --sweep-workers writes its plot (GPU only: it plots timings)")
+    ap.add_argument("--json", metavar="OUT.jsonl", help="append each result as one JSON line (for compare). On a "
+                    "CPU the lines are the emulated results: \"emulated\": true, no timings, so compare refuses them")
     ap.add_argument("--tiles", type=int, default=None, help="instances of the call (default: the spec's "
                     "production tiling for the worker count)")
     ap.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     ap.add_argument("--l2", choices=("cold", "warm"), default="cold", help="cold (default): read 256 MiB between "
-                    "steps so weights come from HBM as in a real decode step; warm: no flush")
-    ap.add_argument("--lock-timeout", type=float, default=600.0, help="seconds to wait for the GPU lock (600)")
-    ap.add_argument("--lock-file", help="lock path (default $MEGART_LOCK_DIR/megart-faithful.lock or "
-                    "/tmp/megart-faithful.lock)")
+                    "steps so weights come from HBM as in a real decode step; warm: no flush (GPU only)")
+    ap.add_argument("--lock-timeout", type=float, default=600.0, help="seconds to wait for the GPU lock (600; "
+                    "GPU only)")
+    ap.add_argument("--lock-file", help="lock path, an empty file of its own (default $MEGART_LOCK_DIR/"
+                    "megart-faithful.lock or /tmp/megart-faithful.lock; a non-empty file is refused; GPU only)")
     ap.add_argument("--require-gpu", action="store_true", help="fail (exit 7) instead of the CPU path without a GPU")
     ap.add_argument("--cpu", action="store_true", help="take the CPU path (compile, verify, emulate) even with a GPU")
     ap.add_argument("--sm-count", type=int, default=None, help="CPU path: SMs assumed for co-residency (132)")
@@ -78,12 +86,14 @@ def gate_parser() -> argparse.ArgumentParser:
 def compare_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog=f"{PROG} compare", description="Ratio and verdict (WIN / NULL / REGRESS / SLOUGHING) per "
                  "(task, shape, nw, context), judged on slowCTA AND wall AND sumCTA with the recorded run-to-run "
-                 "spread as the noise band.", epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                 "spread as the noise band. Both files must hold GPU-timed results: emulated (CPU) lines are read "
+                 "but refused with exit 13.", epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("base", help="baseline results (JSONL, or a log with FAITHFUL_RESULT lines)")
     ap.add_argument("cand", help="candidate results")
     ap.add_argument("--band", choices=("noise", "spread"), default="noise",
                     help="noise band per metric: noise = (p90-p10)/median (default) or spread = (max-min)/median")
-    ap.add_argument("--min-band", type=float, default=None, help="smallest band as a fraction (default 0.01)")
+    ap.add_argument("--min-band", type=float, default=None, help="smallest band as a fraction in [0, 1) "
+                    "(default 0.01)")
     ap.add_argument("--json", metavar="OUT.jsonl", help="append the verdicts as JSON lines")
     return ap
 
@@ -100,7 +110,7 @@ def _warn(msg: str) -> None:
 def _append_json(path: str, rec: dict) -> None:
     try:
         with open(path, "a") as f:
-            f.write(json.dumps(rec, sort_keys=True) + "\n")
+            f.write(json_line(rec) + "\n")
     except OSError as exc:
         raise GateError(codes.USAGE, f"--json {path}: cannot write: {exc}") from None
 
@@ -133,45 +143,80 @@ def do_list() -> int:
 
 
 def run_gate(args) -> int:
-    from . import context as ctxmod
-    from .run import GateConfig, cpu_point, gpu_usable, prepare, summary_json
+    from .run import GateConfig, prepare
     if not args.task:
         raise GateError(codes.USAGE, "--task is required (see --list for the tasks with a gate).")
-    timing_asked = bool(args.iters is not None or args.sweep_workers or args.json or args.require_gpu)
     cfg = GateConfig(task=args.task, shape=args.shape, nw=args.nw, kernel=args.kernel, decode_m1=args.decode_m1,
                      context=args.context, iters=50 if args.iters is None else args.iters, warmup=args.warmup,
                      repeats=args.repeats,
                      tiles=args.tiles, seed=args.seed, l2=args.l2, sm_count=args.sm_count)
     if cfg.nw is not None and cfg.nw < 1:
         raise GateError(codes.USAGE, f"--num-workers must be >= 1 (got {cfg.nw}).")
+    _check_lock_vs_json(args)
     workers = _parse_workers(args.sweep_workers) if args.sweep_workers else None
     p = prepare(cfg)
+    try:                                 # from here on the candidate may hold a temporary directory
+        return _run_prepared(args, p, workers)
+    finally:
+        p.cand.close()
+
+
+def _check_lock_vs_json(args) -> None:
+    from .lock import default_path
+    if args.json:
+        lock = Path(args.lock_file) if args.lock_file else default_path()
+        if lock.resolve() == Path(args.json).resolve():
+            raise GateError(codes.USAGE, f"--lock-file and --json are the same file ({args.json}): the lock file "
+                                         "must be a file of its own, results go to --json.")
+
+
+def _run_prepared(args, p, workers) -> int:
+    from . import context as ctxmod
+    from .run import gpu_usable
+    cfg = p.cfg
     ctx = ctxmod.get(cfg.context)
     why_not = "--cpu was given" if args.cpu else gpu_usable()
-    if why_not and timing_asked:
-        asked = [f for f, on in (("--iters", args.iters is not None), ("--sweep-workers", bool(args.sweep_workers)),
-                                 ("--json", bool(args.json)), ("--require-gpu", args.require_gpu)) if on]
-        raise GateError(codes.NO_GPU, f"timing was asked ({', '.join(asked)}) but it needs a GPU: {why_not}. Run "
-                                      "without those flags for the CPU check (compile, verify, emulate), or run "
-                                      "on a GPU machine.")
+    timing_only = [f for f, on in (("--iters", args.iters is not None), ("--require-gpu", args.require_gpu)) if on]
+    if why_not and timing_only:
+        raise GateError(codes.NO_GPU, f"timing was asked ({', '.join(timing_only)}) but it needs a GPU: {why_not}. "
+                                      "Run without those flags for the CPU check (compile, verify, emulate; --json "
+                                      "and --sweep-workers work there too), or run on a GPU machine.")
     shape = (f"shape {p.shape_str} ({'x'.join(p.spec.dims)})" if ctx is None or cfg.shape is not None
              else f"every {cfg.task} call of the model (one result per shape)")
     _say(f"megart.faithful: task {cfg.task} (task id {p.ttype.id}), {shape}, context {cfg.context}; "
          f"{p.cand.describe()}")
     for n in p.notes:
         _say(f"note: {n}")
-    try:
-        if why_not:
-            nw = cfg.nw or cfg.sm_count or 132
-            _say(f"no GPU ({why_not}): CPU check at nw {nw}")
-            rec = (ctx.cpu_point(p, nw, _say) if ctx is not None else cpu_point(p, nw, _say))
-            _say("FAITHFUL_CPU " + json.dumps(summary_json(rec), sort_keys=True))
-            _say("TIMING NEEDS A GPU: compiled, verified and emulated only; no slowCTA / wall / sumCTA were "
-                 "measured. Run the same command on a GPU machine to time it.")
-            return codes.OK
-        return _gpu_runs(args, p, ctx, workers)
-    finally:
-        p.cand.close()
+    if why_not:
+        return _cpu_runs(args, p, ctx, workers, why_not)
+    return _gpu_runs(args, p, ctx, workers)
+
+
+def _cpu_runs(args, p, ctx, workers, why_not: str) -> int:
+    """Compile, verify and emulate at each worker count; results are marked emulated, with no timings."""
+    from .run import cpu_point, summary_json
+    cfg = p.cfg
+    points = workers or [cfg.nw or cfg.sm_count or 132]
+    _say(f"no GPU ({why_not}): CPU check at nw {', '.join(map(str, points))}")
+    for nw in points:
+        if workers:
+            _say(f"--- {cfg.task} {cfg.context} nw {nw} (emulated) ---")
+        try:
+            rec = ctx.cpu_point(p, nw, _say) if ctx is not None else cpu_point(p, nw, _say)
+        except GateError as exc:         # a failing check still leaves its record in --json
+            if getattr(exc, "record", None) and args.json:
+                _append_json(args.json, summary_json(exc.record))
+            raise
+        line = summary_json(rec)
+        _say("FAITHFUL_CPU " + json_line(line))
+        if args.json:
+            _append_json(args.json, line)
+    if workers:
+        _say("sweep plot skipped: it plots timings, which need a GPU")
+    _say("TIMING NEEDS A GPU: compiled, verified and emulated only; no slowCTA / wall / sumCTA were "
+         "measured. Run the same command on a GPU machine to time it."
+         + (f" --json {args.json} holds the emulated results (\"emulated\": true, no timings)." if args.json else ""))
+    return codes.OK
 
 
 def _gpu_runs(args, p, ctx, workers) -> int:
@@ -226,7 +271,7 @@ def _gpu_runs(args, p, ctx, workers) -> int:
 def _emit(args, rec: dict) -> None:
     from .run import summary_json
     line = summary_json(rec)
-    _say("FAITHFUL_RESULT " + json.dumps(line, sort_keys=True))
+    _say("FAITHFUL_RESULT " + json_line(line))
     if args.json:
         _append_json(args.json, line)
 
@@ -256,14 +301,42 @@ def run_compare(args) -> int:
     for n in notes:
         _say(f"note: {n}")
     for v in verdicts:
-        _say("FAITHFUL_VERDICT " + json.dumps(v.to_dict(), sort_keys=True))
+        _say("FAITHFUL_VERDICT " + json_line(v.to_dict()))
         if args.json:
             _append_json(args.json, v.to_dict())
     return codes.OK
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is, so every `finally` (the candidate's temporary directory,
+    the GPU lock) runs as it does for Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def _sigterm_handler():
+    """Install the SIGTERM handler (main thread only); return what to restore, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    previous = _sigterm_handler()
+    try:
+        return _main(argv)
+    except _Terminated:
+        sys.stderr.write("megart.faithful: terminated (SIGTERM); temporary files removed\n")
+        return 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str]) -> int:
     try:
         if argv and argv[0] == "compare":
             return run_compare(compare_parser().parse_args(argv[1:]))

@@ -13,12 +13,13 @@ UNKNOWN_TASK = 3      # --task is not a registered task type with a gate spec
 BAD_SHAPE = 4         # the task refuses the shape (or the mode, e.g. --decode-m1)
 COMPILE = 5           # NVRTC rejected the kernel (the candidate); the log is printed
 RESIDENCY = 6         # --num-workers exceeds what can be co-resident
-NO_GPU = 7            # timing was asked but there is no usable CUDA device
+NO_GPU = 7            # timing was asked (--iters, --require-gpu) but there is no usable CUDA device
 INCORRECT = 8         # cosine < 0.99 vs the PyTorch reference (or non-finite output): no timing
 LOCKED = 9            # another gate run holds the GPU lock past --lock-timeout
 DEVICE = 10           # watchdog hang or a device error while running
 UNKNOWN_CONTEXT = 11  # --context names no model, or the model module is not available
 COMPARE_INPUT = 12    # compare: unreadable/malformed JSONL, or no (task, shape, nw, context) in common
+NO_TIMINGS = 13       # compare: a side holds emulated (CPU) results, which carry no timings
 
 TABLE = [
     (OK, "success (on a machine without a GPU: compiled, verified and emulated; timing skipped)"),
@@ -28,12 +29,13 @@ TABLE = [
     (BAD_SHAPE, "the task refuses the shape or mode (e.g. --decode-m1 on a task without that mode)"),
     (COMPILE, "the kernel (usually the candidate) failed to compile; the NVRTC log is printed"),
     (RESIDENCY, "--num-workers exceeds co-residency (CTAs per SM x SMs)"),
-    (NO_GPU, "timing was asked (--iters, --sweep-workers, --json, --require-gpu) but no GPU is usable"),
+    (NO_GPU, "timing was asked (--iters, --require-gpu) but no GPU is usable"),
     (INCORRECT, "correctness failed: cosine < 0.99 vs the PyTorch reference, or non-finite output"),
     (LOCKED, "another gate run held the GPU lock for longer than --lock-timeout"),
     (DEVICE, "the kernel hung (watchdog) or the device failed during the run"),
     (UNKNOWN_CONTEXT, "--context names no known model, or that model is not available"),
     (COMPARE_INPUT, "compare: unreadable or malformed JSONL, or nothing in common to compare"),
+    (NO_TIMINGS, "compare: a side holds emulated (CPU) results, which have no timings to compare"),
 ]
 
 

@@ -25,11 +25,12 @@ Verdict (first rule that applies):
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .codes import COMPARE_INPUT, GateError
+from .codes import COMPARE_INPUT, NO_TIMINGS, USAGE, GateError
 
 METRICS = ("slow_cta", "wall", "sum_cta")
 LABELS = {"slow_cta": "slowCTA", "wall": "wall", "sum_cta": "sumCTA"}
@@ -46,8 +47,8 @@ def key_str(key: tuple) -> str:
 
 
 def load(path: str | Path) -> list[dict]:
-    """Result records from a JSONL file. Lines may be bare JSON objects or `FAITHFUL_RESULT {...}`
-    (so a captured stdout log works too); other lines are ignored."""
+    """Result records from a JSONL file. Lines may be bare JSON objects, `FAITHFUL_RESULT {...}` or
+    `FAITHFUL_CPU {...}` (so a captured stdout log works too); other lines are ignored."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -56,8 +57,9 @@ def load(path: str | Path) -> list[dict]:
     recs = []
     for n, line in enumerate(text.splitlines(), 1):
         s = line.strip()
-        if "FAITHFUL_RESULT " in s:
-            s = s.split("FAITHFUL_RESULT ", 1)[1].strip()
+        tag = next((t for t in ("FAITHFUL_RESULT ", "FAITHFUL_CPU ") if t in s), None)
+        if tag:
+            s = s.split(tag, 1)[1].strip()
         elif not s.startswith("{"):
             continue
         try:
@@ -195,9 +197,22 @@ def judge(key: tuple, base: Side, cand: Side, band_mode: str = "noise", min_band
     return v
 
 
+def is_emulated(rec: dict) -> bool:
+    """A CPU-path record: marked emulated, or (older lines) untimed from the CPU emulator."""
+    return bool(rec.get("emulated")) or (not rec.get("timings") and str(rec.get("device", "")).startswith("cpu"))
+
+
+def check_band(min_band) -> None:
+    """A NaN band makes every comparison false (so anything is NULL); an infinite or >= 1 band hides any
+    change. Refuse them rather than judge."""
+    if not isinstance(min_band, (int, float)) or not math.isfinite(min_band) or not 0 <= min_band < 1:
+        raise GateError(USAGE, f"--min-band {min_band!r}: give a finite fraction in [0, 1), e.g. 0.01 for 1%.")
+
+
 def compare(base_recs: list[dict], cand_recs: list[dict], band_mode: str = "noise",
             min_band: float = MIN_BAND) -> tuple[list[Verdict], list[str]]:
     """Verdicts for every key present on both sides, and notes on keys present on one side only."""
+    check_band(min_band)
     def group(recs):
         g: dict = {}
         for r in recs:
@@ -212,6 +227,12 @@ def compare(base_recs: list[dict], cand_recs: list[dict], band_mode: str = "nois
         raise GateError(COMPARE_INPUT, "the two files have no (task, shape, nw, context) in common, so nothing can "
                                        "be compared. Baseline has: " + "; ".join(key_str(k) for k in gb)
                         + ". Candidate has: " + "; ".join(key_str(k) for k in gc) + ".")
+    emulated = [f"{key_str(k)} ({side})" for k in common for side, g in (("baseline", gb), ("candidate", gc))
+                if any(is_emulated(r) for r in g[k])]
+    if emulated:
+        raise GateError(NO_TIMINGS, "emulated results have no timings, so there is nothing to compare: "
+                                    + "; ".join(emulated) + ". They come from the CPU path (compile, verify, "
+                                    "emulate); time both sides on a GPU, then compare.")
     out = []
     for k in common:
         v = judge(k, Side.of(gb[k]), Side.of(gc[k]), band_mode, min_band)

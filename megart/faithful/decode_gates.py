@@ -1,4 +1,4 @@
-"""Gate specs of the decode task types, at production decode geometry (seeds/002, CALIBRATION.md):
+"""Gate specs of the decode task types, at production decode geometry (docs/METHOD.md):
 
 * dense projections (gemv_m1, gemv_m1_fp8, gate_up_silu): M = 1, one activation row;
 * routed MoE group GEMM (group_gemm_m1): one live token per ACTIVE expert (8 of them); the other
@@ -10,8 +10,8 @@ Inputs and whole-op references come from megart.geometry (seeded randn(out, in) 
 generated on the CPU so every machine builds the same bytes; fp32 references on upcast inputs). The
 whole-op reference is independent of the per-instance CPU references the emulator runs, so the CPU
 check also tests each task's split. The default shapes are the Llama-3.2-1B decode shapes the
-models in megart.models run (CALIBRATION.md), except group_gemm_m1 (a DeepSeek-V3-like expert GEMM,
-the seed's MoE case). An adapter returns None when its task type is not registered.
+models in megart.models run, except group_gemm_m1 (a DeepSeek-V3-like expert GEMM, the routed MoE
+case). An adapter returns None when its task type is not registered.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def gemv_m1() -> GateSpec | None:
         return None
     # default: Llama-3.2-1B's widest dense projection shape (ffn x d = 8192 x 2048, 32 MiB of bf16)
     return GateSpec(task="gemv_m1", dims=("N", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
-                    build=_gemv_build, tiles=lambda shape, nw: nw, cpu_shape=(2048, 2048), cpu_max_elems=1 << 25,
+                    build=_gemv_build, tiles=lambda shape, nw: nw, cpu_shape=(2048, 2048), cpu_max_elems=1 << 25, cpu_keep=("K",),
                     decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 8),
                     extra={"elements": lambda s: s[0] * s[1]},
                     doc="y[N] = W[N,K] x[K], M = 1; one tile of output rows per worker")
@@ -86,7 +86,7 @@ def gemv_m1_fp8() -> GateSpec | None:
         return None
     return GateSpec(task="gemv_m1_fp8", dims=("N", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
                     build=_gemv_fp8_build, tiles=lambda shape, nw: nw, cpu_shape=(2048, 2048),
-                    cpu_max_elems=1 << 25, decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 16),
+                    cpu_max_elems=1 << 25, cpu_keep=("K",), decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 16),
                     extra={"elements": lambda s: s[0] * s[1]}, doc="fp8 e4m3 GEMV, per-channel scales, M = 1")
 
 
@@ -108,12 +108,12 @@ def gate_up_silu() -> GateSpec | None:
         return None
     return GateSpec(task="gate_up_silu", dims=("F", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
                     build=_gate_up_build, tiles=lambda shape, nw: nw, cpu_shape=(2048, 2048),
-                    cpu_max_elems=1 << 25, decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 8),
+                    cpu_max_elems=1 << 25, cpu_keep=("K",), decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 8),
                     extra={"elements": lambda s: 2 * s[0] * s[1]}, doc="fused gate/up projection + SiLU, M = 1")
 
 
 # ---- group_gemm_m1 -------------------------------------------------------------------------------
-ACTIVE_EXPERTS = 8      # bs = 1, top-8 routing: ~4-8 active experts per rank (seeds/002)
+ACTIVE_EXPERTS = 8      # bs = 1, top-8 routing: ~4-8 active experts per rank
 
 
 def _active(e: int, seed: int) -> list[int]:
@@ -145,7 +145,7 @@ def group_gemm_m1() -> GateSpec | None:
     # DeepSeek-V3-like expert GEMM on one rank: 32 local experts, N = 2048 (moe_inter), K = 7168 (hidden)
     return GateSpec(task="group_gemm_m1", dims=("E", "N", "K"), default_shape=(32, 2048, 7168),
                     build=_group_build, tiles=lambda shape, nw: nw, cpu_shape=(16, 256, 1024),
-                    cpu_max_elems=1 << 25, decode_m1="native", check_shape=lambda s: _multiple("K", s[2], 8),
+                    cpu_max_elems=1 << 25, cpu_keep=("K",), decode_m1="native", check_shape=lambda s: _multiple("K", s[2], 8),
                     extra={"elements": lambda s: s[0] * s[1] * s[2]},
                     doc="routed MoE expert GEMM, one live row per active expert (8 active), cos on live rows")
 
@@ -183,6 +183,7 @@ def qkv_rope_append() -> GateSpec | None:
     return GateSpec(task="qkv_rope_append", dims=("d", "Hq", "Hkv", "D", "L"),
                     default_shape=(c["d"], c["n_q"], c["n_kv"], c["hd"], c["ctx"]), build=_qkv_build,
                     tiles=lambda shape, nw: nw, cpu_shape=(512, 8, 2, 64, 64), cpu_max_elems=1 << 25,
+                    cpu_keep=("d", "D"),
                     decode_m1="native",
                     extra={"elements": lambda s: (s[1] + 2 * s[2]) * s[3] * (s[0] + 2 * (s[4] + 1024))},
                     doc="RMSNorm + QKV projection + RoPE + KV append for one token at pos L")
@@ -230,7 +231,7 @@ def attention_decode() -> GateSpec | None:
     c = LLAMA_1B
     return GateSpec(task="attention_decode", dims=("Hq", "Hkv", "D", "L"),
                     default_shape=(c["n_q"], c["n_kv"], c["hd"], c["ctx"] + 1), build=_attn_build,
-                    tiles=lambda shape, nw: nw, cpu_shape=(8, 2, 64, 256), cpu_max_elems=1 << 25,
+                    tiles=lambda shape, nw: nw, cpu_shape=(8, 2, 64, 256), cpu_max_elems=1 << 25, cpu_keep=("D",),
                     decode_m1="native", extra={"elements": lambda s: 2 * s[1] * (s[3] + 1024) * s[2]},
                     doc="flash-decoding partials of one query token over the real KV length L")
 

@@ -71,6 +71,7 @@ class GateSpec:
     tiles: Callable = None            # tiles(shape, nw) -> instances of one call; default nw
     cpu_shape: tuple | None = None    # emulate at this shape when the production one is too big
     cpu_max_elems: int = 1 << 27      # ... i.e. when its tensors hold more elements than this
+    cpu_keep: tuple = ()              # dims the reduced shape takes from the requested one (e.g. ("K",))
     decode_m1: str = "native"         # "native": always M = 1 | "mode": --decode-m1 selects live rows | "none"
     check_shape: Callable | None = None   # check_shape(shape) -> None or raise GraphError/ValueError
     doc: str = ""
@@ -103,6 +104,17 @@ class GateSpec:
             except (GraphError, ValueError) as exc:
                 raise GateError(BAD_SHAPE, f"task {self.task!r} refuses shape {self.shape_str(shape)}: {exc}")
         return shape
+
+    def cpu_reduce(self, shape: tuple) -> tuple[tuple, list]:
+        """The shape the CPU emulator runs and the names of the dims that differ from `shape`: `shape`
+        itself when small enough, else cpu_shape with the dims in cpu_keep taken from `shape` (a GEMV's K
+        decides its numerics and staging, so it is kept), or plain cpu_shape if that would not fit."""
+        if self.cpu_shape is None or self.elements(shape) <= self.cpu_max_elems:
+            return tuple(shape), []
+        kept = tuple(s if d in self.cpu_keep else c for d, s, c in zip(self.dims, shape, self.cpu_shape))
+        if self.elements(kept) > self.cpu_max_elems:
+            kept = tuple(self.cpu_shape)
+        return kept, [d for d, a, b in zip(self.dims, shape, kept) if a != b]
 
     def elements(self, shape: tuple) -> int:
         """Rough input size in elements (decides whether the CPU emulator runs a reduced shape)."""

@@ -5,7 +5,6 @@ task's spans by numeric task id. Without a GPU: compile (NVRTC), verify, emulate
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import platform
 import socket
@@ -17,9 +16,12 @@ import torch
 from .. import registry
 from ..errors import (CompileError, DeviceError, GraphError, HangError, MegartError, RegistryError,
                       ResidencyError, ScheduleError)
+from ..graph import MAX_TILES
 from ..kernel import PersistentKernel
+from ..nvtx_ranges import ranged
 from . import candidate as candmod
 from . import gates
+from .jsonsafe import strict
 from .codes import BAD_SHAPE, COMPILE, DEVICE, INCORRECT, INTERNAL, NO_GPU, RESIDENCY, USAGE, GateError
 from .stats import pool_runs, task_timings
 
@@ -59,6 +61,7 @@ class Prepared:
         return self.spec.shape_str(self.shape)
 
 
+@ranged("faithful.prepare")
 def prepare(cfg: GateConfig) -> Prepared:
     """Everything that needs no device: the spec, the shape, the candidate. Fails fast on bad input."""
     spec = gates.get(cfg.task)
@@ -70,8 +73,9 @@ def prepare(cfg: GateConfig) -> Prepared:
     if cfg.iters < 1 or cfg.warmup < 0 or cfg.repeats < 1:
         raise GateError(USAGE, f"--iters and --repeats must be >= 1 and --warmup >= 0 (got {cfg.iters}, "
                                f"{cfg.repeats}, {cfg.warmup}).")
-    if cfg.tiles is not None and cfg.tiles < 1:
-        raise GateError(USAGE, f"--tiles must be >= 1 (got {cfg.tiles}).")
+    if cfg.tiles is not None and not 1 <= cfg.tiles <= MAX_TILES:
+        raise GateError(USAGE, f"--tiles must be in [1, {MAX_TILES}] (got {cfg.tiles}): a call is cut into at most "
+                               f"{MAX_TILES} instances.")
     cand = candmod.baseline(ttype) if cfg.kernel is None else candmod.load(cfg.kernel, ttype)
     p = Prepared(cfg, spec, ttype, cand, shape)
     if cfg.decode_m1 and spec.decode_m1 == "native":
@@ -101,6 +105,7 @@ def fresh_inputs(gi: gates.GateInputs) -> gates.GateInputs:
     return dataclasses.replace(gi, tensors=new, call=call)
 
 
+@ranged("faithful.build")
 def build(p: Prepared, nw: int, device: str, shape: tuple | None = None, profile: bool = True,
           iters: int = 1, inputs: gates.GateInputs | None = None) -> Built:
     shape = p.shape if shape is None else shape
@@ -138,6 +143,7 @@ def build(p: Prepared, nw: int, device: str, shape: tuple | None = None, profile
     return Built(pk, gi, group, tiles, production, shape, call)
 
 
+@ranged("faithful.compile")
 def compile_kernel(p: Prepared, b: Built) -> None:
     try:
         b.pk.compile()
@@ -161,6 +167,7 @@ def result_of(gi: gates.GateInputs, tensors: dict) -> torch.Tensor:
     return gi.result(tensors) if gi.result is not None else tensors[gi.output]
 
 
+@ranged("faithful.check_output")
 def check_output(got: torch.Tensor, gi: gates.GateInputs) -> dict:
     exp = gi.expected.detach().to("cpu", torch.float64)
     g = got.detach().to("cpu").to(torch.float64).reshape(exp.shape)
@@ -239,40 +246,65 @@ def base_record(p: Prepared, b: Built, nw: int, context: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 # the CPU path
 # ------------------------------------------------------------------------------------------------
+@ranged("faithful.cpu_point")
 def cpu_point(p: Prepared, nw: int, say) -> dict:
-    """Compile (NVRTC, sm_90a), verify and emulate at `nw` workers; no timing."""
+    """Compile (NVRTC, sm_90a), verify and emulate at `nw` workers; a candidate's CUDA body also runs
+    through the host simulation where it can (dense tasks). No timing."""
     spec = p.spec
-    shape, reduced = p.shape, False
-    if spec.elements(p.shape) > spec.cpu_max_elems and spec.cpu_shape is not None:
-        shape, reduced = tuple(spec.cpu_shape), True
+    shape, changed = spec.cpu_reduce(p.shape)
     b = build(p, nw, "cpu", shape=shape, profile=True)
     compile_kernel(p, b)
     info = kernel_info(b)
     say(ptxas_text(info, nw))
-    if reduced:
-        say(f"emulating at a REDUCED shape {spec.shape_str(shape)}: the production shape {p.shape_str} "
-            f"({spec.elements(p.shape):,} elements) would take too long in the CPU emulator. The same split, "
-            "reference and decode geometry code run; only the sizes differ. The GPU run uses the production shape.")
+    if changed:
+        say(f"emulating at a REDUCED shape {spec.shape_str(shape)} ({', '.join(changed)} differ from the requested "
+            f"{p.shape_str}; {spec.elements(p.shape):,} elements would take too long in the CPU emulator). The same "
+            "split, reference and decode geometry code run. The GPU run uses the requested shape.")
     t0 = time.monotonic()
     host = b.pk.emulate(steps=1, seed=p.cfg.seed)
     corr = check_output(result_of(b.inputs, host), b.inputs)
     corr["where"] = "cpu-emulator"
-    say(f"emulator ({len(b.group.uids)} instances on {nw} queues, {time.monotonic() - t0:.2f} s): "
-        f"cos {corr['cos']:.6f}, rel err {corr['rel_err']:.3g} vs the PyTorch whole-op reference on "
-        f"{corr['live']} -> {'PASS' if corr['pass'] else 'FAIL'}")
-    if not p.cand.is_baseline:
-        say("note: the emulator runs the task's CPU reference, not the CUDA body, so on a CPU a candidate is only "
-            "compiled; its numerics are checked on the GPU.")
+    verdict = ("PASS" if corr["pass"] else "FAIL") if p.cand.is_baseline else ("agree" if corr["pass"] else "FAIL")
+    say(f"emulator ({len(b.group.uids)} instances on {nw} queues, {time.monotonic() - t0:.2f} s): the task's CPU "
+        f"reference and split: cos {corr['cos']:.6f}, rel err {corr['rel_err']:.3g} vs the PyTorch whole-op "
+        f"reference on {corr['live']} -> {verdict}")
+    corr.update(_body_result(p, b, corr, say))
     rec = base_record(p, b, nw, p.cfg.context)
-    rec.update(kernel_info=info, correctness=corr, timings=None, device="cpu (emulator)",
-               emulated_shape=spec.shape_str(shape), reduced_shape=reduced)
-    if reduced:
+    rec.update(kernel_info=info, correctness=corr, timings=None, device="cpu (emulator)", emulated=True,
+               emulated_shape=spec.shape_str(shape), reduced_shape=bool(changed), reduced_dims=changed)
+    if changed:
         rec["bytes"] = None          # the cost model of the reduced call would be mistaken for production's
-    if not corr["pass"]:
-        err = _correctness_error(p, corr, "CPU emulator")
+    if corr["pass"] is False:
+        err = _correctness_error(p, corr, corr.get("failed_in", "CPU emulator"))
         err.record = rec
         raise err
     return rec
+
+
+def _body_result(p: Prepared, b: Built, corr: dict, say) -> dict:
+    """The correctness fields about the CUDA body. The baseline's is the in-tree body (its own tests run
+    it); a candidate's runs through the host simulation, and when it cannot, the result is not a pass."""
+    if p.cand.is_baseline:
+        return {"body_checked": False, "body_why": "the in-tree body (run by its host-simulation and GPU tests)"}
+    from .body_check import check_body
+    body = check_body(p, b, say)
+    out = {"body_checked": body["body_checked"], "body_why": body["body_why"], "reference_pass": corr["pass"]}
+    if not corr["pass"]:
+        return out
+    if not body["body_checked"]:
+        say(f"candidate CUDA body: NOT CHECKED on this machine ({body['body_why']}); no pass is recorded. Its "
+            "numerics are checked on a GPU.")
+        out["pass"] = None
+        return out
+    bc = body["body_correctness"]
+    say(f"candidate CUDA body (host simulation): cos {bc['cos']:.6f}, rel err {bc['rel_err']:.3g} on {bc['live']} "
+        f"-> {'PASS' if bc['pass'] else 'FAIL'}")
+    out.update(body=bc, reference_cos=corr["cos"], cos=bc["cos"], rel_err=bc["rel_err"],
+               max_abs_err=bc["max_abs_err"], finite=bc["finite"], where=bc["where"])
+    out["pass"] = bc["pass"]
+    if not bc["pass"]:
+        out["failed_in"] = "host simulation of the CUDA body"
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -286,6 +318,7 @@ def gpu_points(p: Prepared, nw: int, floor: dict, say, context=None) -> list[dic
     return [gpu_point(p, nw, floor, say)]
 
 
+@ranged("faithful.gpu_point")
 def gpu_point(p: Prepared, nw: int, floor: dict, say) -> dict:
     """The isolated gate: only this call's instances at the production grid, `repeats` times over
     freshly allocated buffers (same bytes); the samples are pooled and the spread of the per-repeat
@@ -310,6 +343,7 @@ def gpu_point(p: Prepared, nw: int, floor: dict, say) -> dict:
     return _finish(rec, runs, floor)
 
 
+@ranged("faithful.timed_run")
 def _timed_run(p: Prepared, b: Built, rec: dict, say, first: bool) -> dict:
     from .floor import L2Flush
     cfg, pk = p.cfg, b.pk
@@ -416,10 +450,7 @@ def summary_json(rec: dict) -> dict:
     if ki:
         out["ptxas"] = {k: ki["ptxas"][k] for k in ("registers", "spill_stores", "spill_loads", "stack_bytes")}
         out["occupancy"] = ki["occupancy"]
-    for k, v in list(out.items()):
-        if isinstance(v, float) and not math.isfinite(v):
-            out[k] = None
-    return out
+    return strict(out)       # NaN / inf -> null, with the reason under "nonfinite"
 
 
 def classify(exc: BaseException) -> GateError:

@@ -18,6 +18,21 @@ def sweep_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tick_rows(ticks: list[int], min_gap: float = 0.1) -> list[int]:
+    """The text line of each tick label, for worker counts that may sit close together (64 and 68, 128
+    and 132): a label closer than `min_gap` of the axis span to the previous one on its line moves down."""
+    span = max(1, max(ticks) - min(ticks))
+    last: list[float] = []              # the last tick placed on each line
+    rows = []
+    for t in ticks:
+        row = next((i for i, x in enumerate(last) if t - x >= min_gap * span), len(last))
+        if row == len(last):
+            last.append(t)
+        last[row] = t
+        rows.append(row)
+    return rows
+
+
 def plot_sweep(results: list[dict], path: str | Path) -> Path | None:
     """Median with min-max bars of slowCTA, wall, sumCTA against nw. None if matplotlib is missing."""
     try:
@@ -41,7 +56,11 @@ def plot_sweep(results: list[dict], path: str | Path) -> Path | None:
         ax.set_xlabel("workers (nw)")
         ax.set_ylabel(f"{lab} (us, median, min-max)")
         ax.set_title(lab)
-        ax.set_xticks(sorted({r["nw"] for r in rs}))
+        ticks = sorted({r["nw"] for r in rs})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(t) for t in ticks], fontsize=8)
+        for tick, row in zip(ax.xaxis.get_major_ticks(), tick_rows(ticks)):
+            tick.set_pad(3.5 + 11 * row)            # close labels go on a lower line
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0)
         if len(shapes) > 1:

@@ -62,6 +62,34 @@ def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
     )
 
 
+def _check_input(cfg: LlamaConfig, inp, n=None) -> None:
+    """Refuse what the kernel would otherwise clamp, truncate or broadcast: a token id outside
+    [0, vocab) or not an integer, a block input that is not d values, a step count below 0. (The value
+    of a token already on a GPU is not read back: that would cost a sync per step.)"""
+    import numbers
+    from ..errors import InputError
+    if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0):
+        raise InputError(f"generate(n): n must be an int >= 0, got {n!r}")
+    if inp is None:
+        return
+    if cfg.block:
+        if not isinstance(inp, torch.Tensor) or inp.numel() != cfg.d or inp.dim() not in (1, 2):
+            what = f"shape {tuple(inp.shape)}" if isinstance(inp, torch.Tensor) else type(inp).__name__
+            raise InputError(f"block input must be a ({cfg.d},) tensor, got {what}")
+        return
+    tok = inp
+    if isinstance(inp, torch.Tensor):
+        if inp.numel() != 1 or inp.is_floating_point() or inp.is_complex() or inp.dtype == torch.bool:
+            raise InputError(f"token must be one integer element, got a {inp.dtype} tensor of shape {tuple(inp.shape)}")
+        if inp.device.type != "cpu":
+            return
+        tok = int(inp.reshape(-1)[0])
+    elif isinstance(inp, bool) or not isinstance(inp, numbers.Integral):
+        raise InputError(f"token must be an int id in [0, {cfg.vocab}), got {inp!r}")
+    if not 0 <= int(tok) < cfg.vocab:
+        raise InputError(f"token id {int(tok)} is outside the vocabulary [0, {cfg.vocab})")
+
+
 class LlamaModel:
     """Weights, KV caches, device state (token, pos) and the compiled megakernel of one decoder.
 
@@ -266,6 +294,7 @@ class LlamaModel:
         x_in unless it is x_in); returns x_out (d,) bf16 (also a kernel buffer). No host sync on a GPU:
         call sync() (or read a result) to wait and to surface a watchdog error."""
         c = self.cfg
+        _check_input(c, inp)
         if pos is not None and int(pos) != self._pos_next_host:
             self.reset(pos)
         if inp is not None:
@@ -287,6 +316,7 @@ class LlamaModel:
         argmax back itself), one sync at the end. Returns the n generated token ids (i32, on the device)."""
         if self.cfg.block:
             raise ValueError("generate() needs an LM head; a block has step(x, pos) only")
+        _check_input(self.cfg, token, n=n)
         if pos is not None or token is not None:
             self.reset(self._pos_next_host if pos is None else pos, token)
         start = self._pos_next_host

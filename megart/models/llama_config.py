@@ -6,7 +6,7 @@ PyTorch reference (megart.models.reference), so both read the very same bytes.
 Weights are seeded random, scaled randn(out, in) / sqrt(in) (unscaled randn diverges over depth);
 RMSNorm gains are 1 + 0.1 randn so a kernel that ignores them is caught. The fp8 variant ships
 PRE-QUANTISED e4m3 weights with one f32 scale per output channel, each scale rounded onto the bf16
-grid; the reference dequantises those same bytes (seeds/000 section 6).
+grid; the reference dequantises those same bytes (docs/METHOD.md, Inputs).
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def llama_1b_fp8(context: int = 2048, headroom: int = 1024) -> LlamaConfig:
 
 
 def block_8b(prefill: int = 4096, max_seq: int = 4224) -> LlamaConfig:
-    """Two layers of an 8B-class model (seeds/004): d 4096, ffn 14336, 32/8 heads, hd 128, no
+    """Two layers of an 8B-class model: d 4096, ffn 14336, 32/8 heads, hd 128, no
     embedding / LM head, a 4096-token prefix, cache capacity 4224."""
     return LlamaConfig(name="block8b", layers=2, d=4096, ffn=14336, n_q=32, n_kv=8, hd=128, vocab=0,
                        eps=1e-5, theta=500000.0, prefill=prefill, max_seq=max_seq)

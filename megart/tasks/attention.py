@@ -24,6 +24,7 @@ import math
 
 from ..registry import Cost, TaskType, ptr, register, scalar
 from ..tensors import as_ref
+from .shapes import check_shape
 from .tiling import even_tiles, require
 
 ATTN_HD = (64, 128)
@@ -38,6 +39,11 @@ SMEM_ATTN = max(SMEM_ATTN_MERGE, ATTN_RING)  # the merge reuses the ring's bytes
 
 def _aligned16(ref, name, task):
     require(ref.byte_range[0] % 16 == 0, task, f"{name} must start on a 16-byte boundary (16-byte vector loads)")
+
+
+def _check_caches(task, kr, vr, n_kv, ms, hd):
+    for r, name in ((kr, "k_cache"), (vr, "v_cache")):
+        check_shape(task, r, name, (n_kv, ms, hd), "[n_kv, max_seq, hd]")
 
 
 def _auto_tiles(tiles, nw):
@@ -73,10 +79,12 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
     require(d % 8 == 0 and 8 <= d <= QKV_MAX_D, T, f"d (x has {d} elements) must be a multiple of 8 in [8, {QKV_MAX_D}]")
     rows = (n_q + 2 * n_kv) * hd
     require(wr.count == rows * d, T, f"w_qkv has {wr.count} elements, expected (n_q + 2 n_kv) * hd * d = {rows * d}")
+    check_shape(T, wr, "w_qkv", (rows, d), "[(n_q + 2 n_kv) * hd, d]")
     require(qr.count == n_q * hd, T, f"q has {qr.count} elements, expected n_q * hd = {n_q * hd}")
     require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
             f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
     ms = kr.count // (n_kv * hd)
+    _check_caches(T, kr, vr, n_kv, ms, hd)
     require(max_seq is None or max_seq == ms, T, f"max_seq={max_seq} but the caches hold {ms} positions")
     half = hd // 2
     for ref, name in ((cr, "cos"), (sr, "sin")):
@@ -187,6 +195,7 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
     require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
             f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
     ms = kr.count // (n_kv * hd)
+    _check_caches(T, kr, vr, n_kv, ms, hd)
     require(max_seq is None or max_seq == ms, T, f"max_seq={max_seq} but the caches hold {ms} positions")
     for ref, name in ((qr, "q"), (kr, "k_cache"), (vr, "v_cache")):
         _aligned16(ref, name, T)

@@ -12,6 +12,7 @@ import torch
 from ..registry import Cost, TaskType, ptr, register, scalar
 from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS, STAGE_SMEM, aligned,
                            check_k, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub)
+from .shapes import check_shape
 from .tiling import even_tiles, require
 
 # GEMV types whose weights stream through the shared-memory ring (tasks/dense_common.cuh); not
@@ -42,6 +43,7 @@ def _gemv_split(task, nw, tiles, y, w, x, residual, norm_weight, eps, scale=None
     x, g = _common_x(task, x, norm_weight, 8 if w_elem == 2 else 16)
     n, k = y.count, x.count
     require(w.count == n * k, task, f"w has {w.count} elements; y[{n}] = W[{n},{k}] @ x[{k}] needs {n * k}")
+    check_shape(task, w, "w", (n, k), "[N, K] for y[N] and x[K]")
     aligned(task, w, "w")
     disjoint(task, y, "y", x, "x")
     res = opt_ref(residual, "residual")
@@ -126,6 +128,8 @@ def _group_split(nw, tiles=1, y=None, w=None, a=None, active=None):
     check_k(task, k)
     require(a.count == e * EXPERT_ROWS * k, task, f"a has {a.count} elements, needs [{e}*{EXPERT_ROWS}, {k}]")
     require(y.count == e * EXPERT_ROWS * n, task, f"y has {y.count} elements, needs [{e}*{EXPERT_ROWS}, {n}]")
+    check_shape(task, a, "a", (e * EXPERT_ROWS, k), "[experts * 128, K]")
+    check_shape(task, y, "y", (e * EXPERT_ROWS, n), "[experts * 128, N]")
     for r, nm in ((w, "w"), (a, "a"), (y, "y")):
         aligned(task, r, nm)
     disjoint(task, y, "y", a, "a")
@@ -174,6 +178,7 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
     f, k = h.count, x.count
     for r, nm in ((wg, "w_gate"), (wu, "w_up")):
         require(r.count == f * k, task, f"{nm} has {r.count} elements; h[{f}] needs [{f}, {k}] = {f * k}")
+        check_shape(task, r, nm, (f, k), "[F, K] for h[F] and x[K]")
         aligned(task, r, nm)
     disjoint(task, h, "h", x, "x")
     flags = FLAG_NORM if g is not None else 0
@@ -216,6 +221,7 @@ def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=
     require(w.count % k == 0, task, f"w has {w.count} elements, not a whole number of rows of {k}")
     aligned(task, w, "w")
     v = w.count // k
+    check_shape(task, w, "w", (v, k), "[vocab, K] for x[K]")
     pv, pi = ref(task, part_val, "part_val"), ref(task, part_idx, "part_idx")
     parts = even_tiles(v, tiles)
     require(pv.count == len(parts) and pi.count == len(parts), task,

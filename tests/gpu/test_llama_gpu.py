@@ -1,7 +1,7 @@
 """The Llama megakernel on a GPU (megart.models.llama): one launch per decode step that matches the PyTorch
 reference (megart.models.reference) on full-size configs.
 
-Gates (seeds/000, 004, shared/CALIBRATION.md):
+Gates (docs/MODEL.md; the method: docs/METHOD.md):
 * full-logit relative error ||out - ref|| / ||ref|| <= 3e-2 (1B bf16 2k, 1B bf16 32k), 4e-2 (1B fp8),
   2e-2 (the 2-layer 8B-class block) at EVERY compared step (tokens teacher-forced from the kernel);
 * the K/V row at pos appended in every layer (checked directly), the prefix untouched, nothing past pos;

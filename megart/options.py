@@ -1,0 +1,101 @@
+"""Checks of PersistentKernel's options and of the MEGART_* environment, each failing with a
+ConfigError that names the option and the accepted values, before anything is generated."""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from .errors import ConfigError
+
+_MACRO = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Set by codegen from the kernel's configuration: a second #define would make __launch_bounds__, the
+# launch and the shared-memory layout disagree.
+OWNED_MACROS = {
+    "MEGART_THREADS": "the CTA size (threads=)",
+    "MEGART_MIN_BLOCKS": "CTAs per SM, from nw and the SM count",
+    "MEGART_PROFILE": "profiling (profile=True)",
+    "MEGART_DENSE_RING_OFFSET": "the dense ring layout, computed from MEGART_DENSE_RING_SLOTS",
+    "MEGART_DENSE_RING_HEAD_BYTES": "the dense ring layout, computed from MEGART_DENSE_RING_SLOTS",
+    "MEGART_DENSE_RING_SLOT_BYTES": "the dense ring layout, computed from MEGART_DENSE_RING_SLOTS",
+    "MEGART_BLOCK_THREADS": "the CTA size with the weight stream's producer (threads= and MEGART_STREAM_SLOTS)",
+    "MEGART_STREAM_OFFSET": "the weight stream's layout, computed from MEGART_STREAM_SLOTS",
+    "MEGART_STREAM_SLOT_BYTES": "the weight stream's layout, computed from MEGART_STREAM_SLOTS",
+    "MEGART_PRODUCER_THREADS": "the weight stream's producer, from MEGART_STREAM_SLOTS and threads=",
+    "MEGART_COMPUTE_REGS": "the weight stream's register split, from threads=",
+    "MEGART_PRODUCER_REGS": "the weight stream's register split, from threads=",
+}
+# Macros Python also reads (to size shared memory): they must be non-negative integers.
+INT_MACROS = ("MEGART_DENSE_RING_SLOTS", "MEGART_ATTN_RING_BYTES", "MEGART_PREFETCH_KB")
+
+
+def check_defines(defines, origin: str = "defines") -> dict:
+    """{name: value} with every name a macro identifier the caller may set and every value one line."""
+    if not isinstance(defines, dict):
+        raise ConfigError(f"{origin} must be a dict {{MACRO: value}}, got {type(defines).__name__}")
+    out = {}
+    for name, value in defines.items():
+        if not isinstance(name, str) or not _MACRO.match(name):
+            raise ConfigError(f"{origin}: {name!r} is not a macro name (letters, digits and _, not starting with a "
+                              "digit)")
+        if name in OWNED_MACROS:
+            raise ConfigError(f"{origin}: {name} is set by megart itself ({OWNED_MACROS[name]}); a second #define "
+                              "would make the compiled code and the launch disagree. Remove it.")
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{origin}: {name}={value!r} is not a finite number")
+        text = str(value).strip()
+        if not text or "\n" in text or "\r" in text or text.endswith("\\"):
+            raise ConfigError(f"{origin}: {name}={value!r}: the value must be one non-empty line")
+        if name in INT_MACROS and not re.fullmatch(r"\d+", text):
+            raise ConfigError(f"{origin}: {name}={value!r} must be a non-negative integer")
+        out[name] = text
+    return out
+
+
+def parse_env_defines(text: str) -> dict:
+    """MEGART_DEFINES="NAME=VALUE,FLAG" -> {NAME: VALUE, FLAG: "1"}, checked as check_defines does."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if eq and not value:
+            raise ConfigError(f"MEGART_DEFINES: {item!r} has no value after '='; write NAME=VALUE or just NAME")
+        out[name] = value or "1"
+    return check_defines(out, "MEGART_DEFINES")
+
+
+def watchdog_default() -> float:
+    """MEGART_WATCHDOG_S, else 5 seconds."""
+    text = os.environ.get("MEGART_WATCHDOG_S", "5")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"MEGART_WATCHDOG_S={text!r} is not a number of seconds (e.g. 5)") from None
+    return value
+
+
+def check_sm_count(sm_count):
+    """None (ask the GPU, or assume an H200's 132) or a positive int."""
+    if sm_count is None:
+        return None
+    if isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1:
+        raise ConfigError(f"sm_count must be a positive int (or None for the default), got {sm_count!r}")
+    return sm_count
+
+
+def check_overrides(overrides) -> dict:
+    """source_overrides keys must name a registered task type or a shared header one of them uses; a typo
+    would otherwise compile the in-tree body without a word."""
+    from . import registry
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"source_overrides must be a dict {{task name or header: path}}, got "
+                          f"{type(overrides).__name__}")
+    types = [t for t in registry.all_types() if t.id not in registry.NO_BODY]
+    valid = {t.name for t in types} | {h for t in types for h in t.headers}
+    unknown = [k for k in overrides if k not in valid]
+    if unknown:
+        raise ConfigError(f"source_overrides: {', '.join(repr(k) for k in unknown)} names no task type or shared "
+                          f"header; valid keys: {', '.join(sorted(valid))}")
+    return dict(overrides)
