@@ -222,6 +222,30 @@ def test_attention(hd, kv_len, chunk):
             assert torch.all(ml[:, c, :, 1] >= 1.0)
 
 
+@pytest.mark.parametrize("n_q,n_kv,hd", [(24, 8, 128), (28, 4, 128), (14, 2, 64), (40, 8, 64), (12, 2, 128),
+                                         (36, 3, 64), (16, 1, 128)])
+def test_attention_any_group(n_q, n_kv, hd):
+    """GQA groups 3, 7, 7, 5, 6 (one instance per kv head and chunk, its own width) and 12, 16 (two
+    instances per kv head and chunk: 6 + 6, 8 + 8 q heads) against the fp32 reference."""
+    from megart.tasks.attention import head_subgroups
+    sh, ms, kv_len = dict(n_q=n_q, n_kv=n_kv, hd=hd), 1024, 333
+    pk, t, (q, k, v), C = attention_only(sh, ms, kv_len, seed=n_q + hd)
+    group = n_q // n_kv
+    insts = [pk.graph.instances[u] for g in pk.graph.groups if g.label == "attention_decode" for u in g.uids]
+    assert len(insts) == n_kv * C * len(head_subgroups(group))
+    assert max(i.params["group"] for i in insts) <= 8
+    compiled(pk)
+    h = pk.emulate()
+    check(h["out"], ref_attention_decode(q, k, v, kv_len), TOL_ATTN, f"attention group {group}")
+    assert not torch.isnan(h["part_o"]).any() and not torch.isnan(h["part_ml"]).any()
+
+
+def test_head_subgroups():
+    from megart.tasks.attention import head_subgroups
+    assert head_subgroups(3) == [(0, 3)] and head_subgroups(8) == [(0, 8)]
+    assert head_subgroups(9) == [(0, 5), (5, 4)] and head_subgroups(16) == [(0, 8), (8, 8)]
+
+
 def test_attention_32k_context():
     """32768-token cache, dynamic chunks over the grid; kv_len 32768 (full) and an odd short length."""
     sh, ms = SHAPES[64], 32768
@@ -329,7 +353,7 @@ def test_bad_shapes_are_refused():
     abase = dict(q=q, k_cache=k, v_cache=v, pos=pos.ref(0, 1), part_o=po, part_ml=pm, n_q=n_q, n_kv=n_kv, hd=hd,
                  chunks=1)
     att = lambda **kw: pk.task("attention_decode", **{**abase, **kw})
-    _raises(lambda: att(n_q=24), "group")
+    _raises(lambda: att(n_q=17 * n_kv), "group")
     _raises(lambda: att(hd=32), "hd must be one of")
     _raises(lambda: att(chunks=2), "part_o has")
     _raises(lambda: att(chunk=-1), "chunk must be")

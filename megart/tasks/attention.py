@@ -27,7 +27,8 @@ from ..tensors import as_ref
 from .tiling import even_tiles, require
 
 ATTN_HD = (64, 128)
-ATTN_GROUPS = (1, 2, 4, 8)
+ATTN_MAX_GROUP = 16       # n_q / n_kv; an instance serves at most ATTN_SUBGROUP of them
+ATTN_SUBGROUP = 8         # q heads one attention_decode instance holds in registers (its template width)
 QKV_MAX_D = 8192
 MODE_ROPE, MODE_NORM, MODE_CACHE = 1, 2, 4
 SMEM_QKV = 4 * (128 * 32 + 32)              # per-warp row partials for up to 128 rows x 32 warps, scratch
@@ -182,7 +183,7 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
     require(hd in ATTN_HD, T, f"hd must be one of {ATTN_HD}, got {hd}")
     require(n_q >= 1 and n_kv >= 1 and n_q % n_kv == 0, T, f"n_q ({n_q}) must be a positive multiple of n_kv ({n_kv})")
     group = n_q // n_kv
-    require(group in ATTN_GROUPS, T, f"group n_q / n_kv must be one of {ATTN_GROUPS}, got {group}")
+    require(1 <= group <= ATTN_MAX_GROUP, T, f"group n_q / n_kv must be in [1, {ATTN_MAX_GROUP}], got {group}")
     require(qr.count == n_q * hd, T, f"q has {qr.count} elements, expected n_q * hd = {n_q * hd}")
     require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
             f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
@@ -223,15 +224,25 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
     scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
     out = []
     for h in range(n_kv):
-        q_ref = qr.tensor.ref(qr.offset + h * group * hd, group * hd)
         k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
         v_ref = vr.tensor.ref(vr.offset + h * ms * hd, ms * hd)
-        for c in range(nch):
-            out.append(dict(q=q_ref, k_cache=k_ref, v_cache=v_ref, pos=pr,
-                            part_o=por.tensor.ref(por.offset + (h * nch + c) * group * hd, group * hd),
-                            part_ml=pmr.tensor.ref(pmr.offset + (h * nch + c) * group * 2, group * 2),
-                            group=group, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale))
+        for g0, ng in head_subgroups(group):
+            q_ref = qr.tensor.ref(qr.offset + (h * group + g0) * hd, ng * hd)
+            for c in range(nch):
+                slot = (h * nch + c) * group + g0        # [n_kv, chunks, group] index of the first q head
+                out.append(dict(q=q_ref, k_cache=k_ref, v_cache=v_ref, pos=pr,
+                                part_o=por.tensor.ref(por.offset + slot * hd, ng * hd),
+                                part_ml=pmr.tensor.ref(pmr.offset + slot * 2, ng * 2),
+                                group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale))
     return out
+
+
+def head_subgroups(group: int) -> list[tuple[int, int]]:
+    """(first q head, count) of the instances sharing one kv head: the whole group up to ATTN_SUBGROUP,
+    else the fewest near-equal pieces (9 -> 5 + 4, 16 -> 8 + 8), each a size the device code instantiates.
+    Each piece reads the kv head's K/V itself, so groups over 8 stream it twice."""
+    n = -(-group // ATTN_SUBGROUP)
+    return [(a, b - a) for a, b in even_tiles(group, n)]
 
 
 def chunk_range(chunk: int, cidx: int, nchunks: int, kv_len: int) -> tuple[int, int]:
