@@ -66,7 +66,8 @@ def compiled(pk):
 
 # --- builders --------------------------------------------------------------------------------------------
 
-def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=NW, cache_seed=100, dev="cpu"):
+def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=NW, cache_seed=100, dev="cpu",
+              **head_norm):
     n_q, n_kv, hd, d = sh["n_q"], sh["n_kv"], sh["hd"], sh["d"]
     w, x, nwt = qkv_m1(n_q, n_kv, hd, d, seed=seed)
     cs, sn = rope_tables(max_seq, hd, THETA)
@@ -77,7 +78,7 @@ def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=N
              pos=T(torch.tensor([pos], dtype=torch.int32), "pos"))
     pk.task("qkv_rope_append", q=t["q"], k_cache=t["k"], v_cache=t["v"], w_qkv=t["w"], x=t["x"],
             norm_weight=t["nw"] if norm else None, eps=1e-5, cos=t["cos"], sin=t["sin"], pos=t["pos"],
-            n_q=n_q, n_kv=n_kv, hd=hd, tiles=tiles, kv_refs=kv_refs)
+            n_q=n_q, n_kv=n_kv, hd=hd, tiles=tiles, kv_refs=kv_refs, **head_norm)
     ref = ref_qkv_rope_append(x, w, cs, sn, pos, n_q, n_kv, hd, nwt if norm else None, 1e-5) if pos < max_seq else None
     return t, dict(k0=k, v0=v, ref=ref, w=w, x=x, nw=nwt if norm else None, cos=cs, sin=sn)
 
@@ -123,6 +124,29 @@ def test_qkv_rope_append(hd, pos, norm):
     keep[pos] = False
     assert torch.equal(h["k"][:, keep], r["k0"][:, keep]), "k cache changed outside row pos"
     assert torch.equal(h["v"][:, keep], r["v0"][:, keep]), "v cache changed outside row pos"
+
+
+@pytest.mark.parametrize("hd,kv_refs", [(64, "partition"), (128, "strict")])
+def test_qkv_head_norm(hd, kv_refs):
+    """Qwen3's per-head RMSNorm of q and k before RoPE: q and k heads stay whole (one instance each), v heads
+    are still spread; the result matches the fp32 reference and differs from the un-normed one."""
+    sh, ms, pos = dict(SHAPES[hd], d=1024), 256, 37
+    pk = megart.PersistentKernel(nw=NW, device="cpu")
+    gen = torch.Generator().manual_seed(hd)
+    qn, kn = [(1 + 0.2 * torch.randn(hd, generator=gen)).to(torch.bfloat16) for _ in range(2)]
+    t, r = build_qkv(pk, sh, ms, pos, seed=hd, kv_refs=kv_refs, q_norm=pk.tensor(qn, "q_norm"),
+                     k_norm=pk.tensor(kn, "k_norm"))
+    insts = [pk.graph.instances[u] for g in pk.graph.groups for u in g.uids]
+    half = hd // 2
+    assert sum(i.params["npairs"] == half for i in insts) >= sh["n_q"] + sh["n_kv"]
+    compiled(pk)
+    h = pk.emulate()
+    q_ref, k_ref, v_ref = ref_qkv_rope_append(r["x"], r["w"], r["cos"], r["sin"], pos, sh["n_q"], sh["n_kv"], hd,
+                                              r["nw"], 1e-5, q_norm=qn, k_norm=kn)
+    check(h["q"], q_ref, TOL_QKV, "normed q")
+    check(h["k"][:, pos], k_ref, TOL_QKV, "normed k row")
+    check(h["v"][:, pos], v_ref, TOL_QKV, "v row")
+    assert rel(h["q"], r["ref"][0]) > 10 * TOL_QKV      # the un-normed q is far away
 
 
 def test_qkv_spreads_over_the_grid_and_keeps_pairs():
