@@ -34,9 +34,15 @@ def _cpu_settings():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny_fp8", "tiny_block"])
+# checkpoint features on the seeded path: GQA group 3, head_dim 128, untied head, llama3 RoPE scaling,
+# Qwen3's per-head q/k norm (tests/test_hf_models.py runs the same through real checkpoint folders)
+FEATURES = dict(n_q=6, n_kv=2, hd=128, tied=False, rope_llama3=(8.0, 1.0, 4.0, 32), qk_norm=True, eps=1e-6)
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny_fp8", "tiny_block", "tiny_features"])
 def built(request):
-    cfg = llama.config(request.param)
+    cfg = llama.tiny().with_(name="tiny_features", **FEATURES) if request.param == "tiny_features" \
+        else llama.config(request.param)
     prefix = [(k.clone(), v.clone()) for k, v in llama.make_kv_cache(cfg, 1)]
     m = llama.LlamaModel(cfg, device="cpu", nw=NW, kv=clone_kv(prefix))
     return cfg, m, prefix
