@@ -130,7 +130,9 @@ class Checkpoint:
             t = self._open(file).get_tensor(name)
         except Exception as e:   # a header that promises more bytes than a truncated file holds
             raise CheckpointError(f"{self.folder / file}: cannot read tensor {name!r} ({e})") from None
-        return t.to(torch.bfloat16)
+        # on the CPU a bf16 tensor can alias the file's memory map at any byte offset: copy it into an
+        # allocation of its own (aligned for the 16-byte loads, and independent of the file)
+        return t.to(torch.bfloat16, copy=t.device.type == "cpu")
 
 
 class StateDict:

@@ -52,6 +52,7 @@ class CheckpointModel(LlamaModel):
         self.eos_ids = set(eos_ids)
         self._tokenizer = None
         self.last_stats: GenerationStats | None = None
+        self.last_ids: list[int] = []           # the tokens the last generate_ids / generate_text produced
 
     # --- input checks (raised before any state changes, so the model stays usable) ---------------------
     def _token_ids(self, token_ids) -> torch.Tensor:
@@ -123,6 +124,7 @@ class CheckpointModel(LlamaModel):
                 break
             _, t = super().step()        # the device already holds the input token and the position
             tok = int(t.reshape(-1)[0])
+        self.last_ids = out
         self.last_stats = GenerationStats(prompt_tokens=n, new_tokens=len(out), ttft_s=ttft,
                                           decode_s=time.perf_counter() - t1, stopped=stopped)
         return out
