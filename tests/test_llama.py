@@ -154,7 +154,7 @@ def test_explicit_dependencies_cover_inferred(name):
         assert torch.equal(ex.logits, inf.logits)
 
 
-@pytest.mark.parametrize("name", ["1b", "1b_32k", "1b_fp8", "block8b"])
+@pytest.mark.parametrize("name", ["1b", "1b_32k", "1b_fp8", "block8b", "3b", "qwen3_0.6b"])
 def test_full_size_graph_compiles_without_spills(name):
     """The full-size megakernel: ~11k instances over 132 workers, every wait satisfiable (verify), each
     instance waiting on at most 2 events with no join entries, compiled for sm_90a with 0 spill bytes."""

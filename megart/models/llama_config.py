@@ -129,11 +129,37 @@ def tiny(layers: int = 2, d: int = 256, ffn: int = 512, n_q: int = 4, n_kv: int 
                        prefill=prefill, max_seq=max_seq, wdtype=wdtype)
 
 
+def llama_3b(context: int = 2048, headroom: int = 1024) -> LlamaConfig:
+    """Llama-3.2-3B shape: 28 layers, d 3072, ffn 8192, 24/8 heads (GQA group 3), hd 128, tied head, llama3 RoPE."""
+    return LlamaConfig(name="llama3b", layers=28, d=3072, ffn=8192, n_q=24, n_kv=8, hd=128, vocab=128256,
+                       prefill=context, max_seq=_max_seq(context, headroom), rope_llama3=(32.0, 1.0, 4.0, 8192))
+
+
+def llama_8b(context: int = 2048, headroom: int = 1024) -> LlamaConfig:
+    """Llama-3.1-8B shape: 32 layers, d 4096, ffn 14336, 32/8 heads, hd 128, UNTIED head, llama3 RoPE."""
+    return LlamaConfig(name="llama8b", layers=32, d=4096, ffn=14336, n_q=32, n_kv=8, hd=128, vocab=128256,
+                       tied=False, prefill=context, max_seq=_max_seq(context, headroom),
+                       rope_llama3=(8.0, 1.0, 4.0, 8192))
+
+
+def qwen3(size: str = "0.6b", context: int = 2048, headroom: int = 1024) -> LlamaConfig:
+    """Qwen3-0.6B (28 layers, d 1024, ffn 3072, 16/8 heads, tied) or Qwen3-8B (36 layers, d 4096, ffn 12288,
+    32/8 heads, untied): hd 128, per-head q/k norm, theta 1e6, eps 1e-6, vocab 151936."""
+    shape = {"0.6b": dict(layers=28, d=1024, ffn=3072, n_q=16, n_kv=8, tied=True),
+             "8b": dict(layers=36, d=4096, ffn=12288, n_q=32, n_kv=8, tied=False)}[size]
+    return LlamaConfig(name=f"qwen3_{size}", hd=128, vocab=151936, eps=1e-6, theta=1e6, qk_norm=True,
+                       prefill=context, max_seq=_max_seq(context, headroom), **shape)
+
+
 CONFIGS = {
     "1b": lambda: llama_1b(2048),
     "1b_32k": lambda: llama_1b(32768),
     "1b_fp8": lambda: llama_1b_fp8(),
     "block8b": block_8b,
+    "3b": llama_3b,
+    "8b": llama_8b,
+    "qwen3_0.6b": lambda: qwen3("0.6b"),
+    "qwen3_8b": lambda: qwen3("8b"),
     "tiny": tiny,
     "tiny_fp8": lambda: tiny(wdtype="fp8"),
     "tiny_block": lambda: tiny(vocab=0),
