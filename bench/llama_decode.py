@@ -4,6 +4,9 @@ the HBM floor, all measured in this one process (the floor and torch.compile run
     PYTHONPATH=. python bench/llama_decode.py [--configs 1b,1b_fp8,1b_32k,block8b] [--steps 300]
                                               [--out out/llama_decode] [--compile-modes max-autotune]
 
+Checkpoint shapes (issue 10): --configs 3b,8b,qwen3_0.6b,qwen3_8b (Llama-3.2-3B: GQA group 3; Llama-3.1-8B:
+untied head; Qwen3-0.6B / 8B: per-head q/k norm), each one launch per step like the others.
+
 Per config, on seeded random weights with a prefilled KV cache:
 * floor     = bytes one step must read (weights + KV at the timed positions) / the HBM read bandwidth
               measured at the start of this run (megart.bandwidth: 16-byte loads over 4 GiB; torch.sum

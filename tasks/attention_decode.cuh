@@ -7,11 +7,13 @@
 // chunk > 0: static chunks, [c * chunk, min((c + 1) * chunk, kv_len)).
 // chunk == 0: dynamic chunks of ceil(kv_len / nchunks) positions, so every instance has work at any length.
 //
-// Layout: a K/V row (hd bf16) is read by HD/VEC lanes, VEC bf16 each (VEC = 8: 16-byte loads; group 8 uses
-// VEC = 4, 8-byte loads, to halve its q/o registers); a warp covers 32/(HD/VEC) positions per load and each
+// Layout: a K/V row (hd bf16) is read by HD/VEC lanes, VEC bf16 each (VEC = 8: 16-byte loads; the register
+// path of groups 5..8 uses VEC = 4, 8-byte loads, to halve its q/o registers); a warp covers 32/(HD/VEC) positions per load and each
 // of these "slots" takes U positions per batch. Each slot keeps its own online softmax (base-2 exponent,
 // scale * log2(e) folded into q); the slots are merged across lanes with shuffles, then across warps in
 // shared memory.
+// An instance holds G <= 8 q heads (any G in 1..8, each its own instantiation); larger GQA groups are split
+// over several instances by the splitter.
 // Streaming: group < 8 with the full register budget copies K/V through a per-thread shared-memory ring
 // (cp.async, RS stages of RU positions, RS - 1 stages in flight while one is computed; the first stages
 // are issued before q is read). Group 8, the low-register builds and a ring of 0 bytes (two CTAs per SM,
@@ -134,11 +136,19 @@ template <int HD, int G>
 __device__ __forceinline__ void attention_decode_body(const megart_params_attention_decode& p, char* smem, int lo,
                                                       int hi) {
   constexpr int NT = MEGART_THREADS, NWARP = NT / 32;
-  constexpr int VEC = G >= 8 ? 4 : 8;  // bf16 per lane per row
+  // Ring geometry (see "Ring" below); it depends only on the thread count and the ring size.
+  constexpr int RPOS = kAttnRingBytes / (NT * 32);  // positions (K + V: 32 bytes) per thread the ring holds
+  constexpr int RU = RPOS >= 16 ? 4 : (RPOS >= 8 ? 2 : 1);
+  constexpr int RS = RPOS / RU > 4 ? 4 : RPOS / RU;
+  constexpr bool kRing = !kLowRegs && G < 8 && RS >= 2;
+  // bf16 per lane per row. The ring path keeps 16-byte vectors for every G < 8 (5..7 included: its few
+  // positions per batch leave the registers for q and o). The register path of G >= 5 (and G = 8 always)
+  // uses 8-byte vectors, halving q and o, as G = 8 did alone before.
+  constexpr int VEC = kRing ? 8 : (G > 4 ? 4 : 8);
   constexpr int LPR = HD / VEC;        // lanes per K/V row
   constexpr int RPW = 32 / LPR;        // rows (positions) per warp per load
   constexpr int SLOTS = NWARP * RPW;   // positions per CTA per load
-  constexpr int U = kLowRegs ? (G >= 4 ? 2 : 4) : (G >= 8 ? 4 : 8);  // register path: positions per slot per batch
+  constexpr int U = kLowRegs ? (G >= 4 ? 2 : 4) : (G > 4 ? 4 : 8);  // register path: positions per slot per batch
   constexpr float NEG = -3.402823466e38f;  // finite "minus infinity" keeps exp2(m_old - m_new) NaN-free
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane % LPR, rw = lane / LPR, slot = warp * RPW + rw;
@@ -150,10 +160,6 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   // of thread tid is at ring + ((s * RU + u) * 2 + kv) * NT * 16 + tid * 16: a warp's LDS.128 reads 512
   // contiguous bytes. Stage j (positions lo + j * BATCH + u * SLOTS + slot) lives in ring slot j % RS.
   // 256 threads, 64 KB: RS = 4 stages of RU = 2 positions, 48 KB in flight per CTA while one is computed.
-  constexpr int RPOS = kAttnRingBytes / (NT * 32);  // positions (K + V: 32 bytes) per thread the ring holds
-  constexpr int RU = RPOS >= 16 ? 4 : (RPOS >= 8 ? 2 : 1);
-  constexpr int RS = RPOS / RU > 4 ? 4 : RPOS / RU;
-  constexpr bool kRing = !kLowRegs && G < 8 && RS >= 2;
   constexpr int BATCH = SLOTS * RU;
   constexpr unsigned VSTRIDE = NT * 16;  // bytes between consecutive vectors of one thread
   const unsigned ring = (unsigned)__cvta_generic_to_shared(smem) + tid * 16;
@@ -306,6 +312,39 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
     }
   }
 }
+
+// Width dispatch for one head size. MEGART_ATTN_HD_ONLY (a head size) and MEGART_ATTN_GROUP_MASK (bit g set:
+// width g is run) let a model that knows its shape keep only the bodies it runs, which shortens the NVRTC
+// compile; by default both head sizes and all widths 1..8 are instantiated.
+#ifndef MEGART_ATTN_GROUP_MASK
+#define MEGART_ATTN_GROUP_MASK 0x1fe
+#endif
+template <int HD, int G>
+__device__ __forceinline__ void attention_decode_width(const megart_params_attention_decode& p, char* smem, int lo,
+                                                       int hi) {
+#ifdef MEGART_ATTN_HD_ONLY
+  constexpr bool kHdOn = HD == MEGART_ATTN_HD_ONLY;
+#else
+  constexpr bool kHdOn = true;
+#endif
+  if constexpr (kHdOn && ((MEGART_ATTN_GROUP_MASK >> G) & 1)) attention_decode_body<HD, G>(p, smem, lo, hi);
+}
+
+template <int HD>
+__device__ __forceinline__ void attention_decode_group(const megart_params_attention_decode& p, char* smem, int lo,
+                                                       int hi) {
+  switch (p.group) {
+    case 1: attention_decode_width<HD, 1>(p, smem, lo, hi); break;
+    case 2: attention_decode_width<HD, 2>(p, smem, lo, hi); break;
+    case 3: attention_decode_width<HD, 3>(p, smem, lo, hi); break;
+    case 4: attention_decode_width<HD, 4>(p, smem, lo, hi); break;
+    case 5: attention_decode_width<HD, 5>(p, smem, lo, hi); break;
+    case 6: attention_decode_width<HD, 6>(p, smem, lo, hi); break;
+    case 7: attention_decode_width<HD, 7>(p, smem, lo, hi); break;
+    case 8: attention_decode_width<HD, 8>(p, smem, lo, hi); break;
+    default: break;  // the splitter gives no instance more than 8 q heads
+  }
+}
 }  // namespace megart_attn
 
 __device__ __forceinline__ void megart_task_attention_decode(const megart_params_attention_decode& p, char* smem) {
@@ -322,16 +361,11 @@ __device__ __forceinline__ void megart_task_attention_decode(const megart_params
   }
   if (hi > kv_len) hi = kv_len;
   if (hi < lo) hi = lo;
-  const int key = p.hd * 16 + p.group;
-  switch (key) {
-    case 64 * 16 + 1: megart_attn::attention_decode_body<64, 1>(p, smem, lo, hi); break;
-    case 64 * 16 + 2: megart_attn::attention_decode_body<64, 2>(p, smem, lo, hi); break;
-    case 64 * 16 + 4: megart_attn::attention_decode_body<64, 4>(p, smem, lo, hi); break;
-    case 64 * 16 + 8: megart_attn::attention_decode_body<64, 8>(p, smem, lo, hi); break;
-    case 128 * 16 + 1: megart_attn::attention_decode_body<128, 1>(p, smem, lo, hi); break;
-    case 128 * 16 + 2: megart_attn::attention_decode_body<128, 2>(p, smem, lo, hi); break;
-    case 128 * 16 + 4: megart_attn::attention_decode_body<128, 4>(p, smem, lo, hi); break;
-    case 128 * 16 + 8: megart_attn::attention_decode_body<128, 8>(p, smem, lo, hi); break;
-    default: break;  // the splitter refuses other (hd, group)
-  }
+  // p.group <= 8: the splitter gives a larger GQA group several instances per kv head. Every width is its
+  // own instantiation, so q, o and the softmax state are sized exactly: group 3 or 7 pays for 3 or 7 heads.
+  if (p.hd == 64) {
+    megart_attn::attention_decode_group<64>(p, smem, lo, hi);
+  } else if (p.hd == 128) {
+    megart_attn::attention_decode_group<128>(p, smem, lo, hi);
+  }  // the splitter refuses other head sizes
 }

@@ -8,7 +8,8 @@
 // in shared memory. The epilogue (one thread per pair) applies RoPE in fp32 and rounds to bf16.
 //
 // mode bits: 1 = RoPE (q, k heads), 2 = fused RMSNorm of x (norm_weight valid), 4 = destination is a cache
-// head (row `pos`, stride 2 * half) rather than q. dst gets the low half of each pair, dst2 the high half
+// head (row `pos`, stride 2 * half) rather than q, 8 = RMSNorm of the head's own fp32 dots with the gain
+// head_norm [hd] before RoPE (Qwen3's q_norm / k_norm; the splitter then gives the instance the whole head). dst gets the low half of each pair, dst2 the high half
 // (q: dst2 points at it; cache: dst2 == dst and the high half is + half).
 // (shared helpers: tasks/attention_common.cuh)
 
@@ -90,12 +91,33 @@ __device__ __forceinline__ void qkv_rope_append_body(const megart_params_qkv_rop
   }
   __syncthreads();
 
+  // per-head RMSNorm (mode 8): the mean square over all 2 * np == hd dots of the head, fp32
+  float head_inv = 1.f;
+  if (p.mode & 8) {  // uniform over the CTA, so every thread reaches block_sum
+    float ss = 0.f;
+    for (int j = tid; j < np; j += NT) {
+      float lo = 0.f, hi = 0.f;
+#pragma unroll
+      for (int w = 0; w < NWARP; ++w) {
+        lo += red[j * NWARP + w];
+        hi += red[(np + j) * NWARP + w];
+      }
+      ss = fmaf(lo, lo, fmaf(hi, hi, ss));
+    }
+    ss = megart::block_sum(ss, scratch);
+    head_inv = rsqrtf(ss / (float)rows + p.eps);
+  }
+
   for (int j = tid; j < np; j += NT) {
     float lo = 0.f, hi = 0.f;
 #pragma unroll
     for (int w = 0; w < NWARP; ++w) {
       lo += red[j * NWARP + w];
       hi += red[(np + j) * NWARP + w];
+    }
+    if (p.mode & 8) {
+      lo = lo * head_inv * __bfloat162float(p.head_norm[p.pair0 + j]);
+      hi = hi * head_inv * __bfloat162float(p.head_norm[half + p.pair0 + j]);
     }
     float out_lo = lo, out_hi = hi;
     if (p.mode & 1) {  // rotate-half RoPE on the pair (j, j + half), fp32

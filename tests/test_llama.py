@@ -34,9 +34,15 @@ def _cpu_settings():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny_fp8", "tiny_block"])
+# checkpoint features on the seeded path: GQA group 3, head_dim 128, untied head, llama3 RoPE scaling,
+# Qwen3's per-head q/k norm (tests/test_hf_models.py runs the same through real checkpoint folders)
+FEATURES = dict(n_q=6, n_kv=2, hd=128, tied=False, rope_llama3=(8.0, 1.0, 4.0, 32), qk_norm=True, eps=1e-6)
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny_fp8", "tiny_block", "tiny_features"])
 def built(request):
-    cfg = llama.config(request.param)
+    cfg = llama.tiny().with_(name="tiny_features", **FEATURES) if request.param == "tiny_features" \
+        else llama.config(request.param)
     prefix = [(k.clone(), v.clone()) for k, v in llama.make_kv_cache(cfg, 1)]
     m = llama.LlamaModel(cfg, device="cpu", nw=NW, kv=clone_kv(prefix))
     return cfg, m, prefix
@@ -148,7 +154,7 @@ def test_explicit_dependencies_cover_inferred(name):
         assert torch.equal(ex.logits, inf.logits)
 
 
-@pytest.mark.parametrize("name", ["1b", "1b_32k", "1b_fp8", "block8b"])
+@pytest.mark.parametrize("name", ["1b", "1b_32k", "1b_fp8", "block8b", "3b", "qwen3_0.6b"])
 def test_full_size_graph_compiles_without_spills(name):
     """The full-size megakernel: ~11k instances over 132 workers, every wait satisfiable (verify), each
     instance waiting on at most 2 events with no join entries, compiled for sm_90a with 0 spill bytes."""

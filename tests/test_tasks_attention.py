@@ -66,7 +66,8 @@ def compiled(pk):
 
 # --- builders --------------------------------------------------------------------------------------------
 
-def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=NW, cache_seed=100, dev="cpu"):
+def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=NW, cache_seed=100, dev="cpu",
+              **head_norm):
     n_q, n_kv, hd, d = sh["n_q"], sh["n_kv"], sh["hd"], sh["d"]
     w, x, nwt = qkv_m1(n_q, n_kv, hd, d, seed=seed)
     cs, sn = rope_tables(max_seq, hd, THETA)
@@ -77,7 +78,7 @@ def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=N
              pos=T(torch.tensor([pos], dtype=torch.int32), "pos"))
     pk.task("qkv_rope_append", q=t["q"], k_cache=t["k"], v_cache=t["v"], w_qkv=t["w"], x=t["x"],
             norm_weight=t["nw"] if norm else None, eps=1e-5, cos=t["cos"], sin=t["sin"], pos=t["pos"],
-            n_q=n_q, n_kv=n_kv, hd=hd, tiles=tiles, kv_refs=kv_refs)
+            n_q=n_q, n_kv=n_kv, hd=hd, tiles=tiles, kv_refs=kv_refs, **head_norm)
     ref = ref_qkv_rope_append(x, w, cs, sn, pos, n_q, n_kv, hd, nwt if norm else None, 1e-5) if pos < max_seq else None
     return t, dict(k0=k, v0=v, ref=ref, w=w, x=x, nw=nwt if norm else None, cos=cs, sin=sn)
 
@@ -123,6 +124,29 @@ def test_qkv_rope_append(hd, pos, norm):
     keep[pos] = False
     assert torch.equal(h["k"][:, keep], r["k0"][:, keep]), "k cache changed outside row pos"
     assert torch.equal(h["v"][:, keep], r["v0"][:, keep]), "v cache changed outside row pos"
+
+
+@pytest.mark.parametrize("hd,kv_refs", [(64, "partition"), (128, "strict")])
+def test_qkv_head_norm(hd, kv_refs):
+    """Qwen3's per-head RMSNorm of q and k before RoPE: q and k heads stay whole (one instance each), v heads
+    are still spread; the result matches the fp32 reference and differs from the un-normed one."""
+    sh, ms, pos = dict(SHAPES[hd], d=1024), 256, 37
+    pk = megart.PersistentKernel(nw=NW, device="cpu")
+    gen = torch.Generator().manual_seed(hd)
+    qn, kn = [(1 + 0.2 * torch.randn(hd, generator=gen)).to(torch.bfloat16) for _ in range(2)]
+    t, r = build_qkv(pk, sh, ms, pos, seed=hd, kv_refs=kv_refs, q_norm=pk.tensor(qn, "q_norm"),
+                     k_norm=pk.tensor(kn, "k_norm"))
+    insts = [pk.graph.instances[u] for g in pk.graph.groups for u in g.uids]
+    half = hd // 2
+    assert sum(i.params["npairs"] == half for i in insts) >= sh["n_q"] + sh["n_kv"]
+    compiled(pk)
+    h = pk.emulate()
+    q_ref, k_ref, v_ref = ref_qkv_rope_append(r["x"], r["w"], r["cos"], r["sin"], pos, sh["n_q"], sh["n_kv"], hd,
+                                              r["nw"], 1e-5, q_norm=qn, k_norm=kn)
+    check(h["q"], q_ref, TOL_QKV, "normed q")
+    check(h["k"][:, pos], k_ref, TOL_QKV, "normed k row")
+    check(h["v"][:, pos], v_ref, TOL_QKV, "v row")
+    assert rel(h["q"], r["ref"][0]) > 10 * TOL_QKV      # the un-normed q is far away
 
 
 def test_qkv_spreads_over_the_grid_and_keeps_pairs():
@@ -220,6 +244,30 @@ def test_attention(hd, kv_len, chunk):
             assert torch.all(ml[:, c, :, 0] == float("-inf")) and torch.all(ml[:, c, :, 1] == 0)
         else:
             assert torch.all(ml[:, c, :, 1] >= 1.0)
+
+
+@pytest.mark.parametrize("n_q,n_kv,hd", [(24, 8, 128), (28, 4, 128), (14, 2, 64), (40, 8, 64), (12, 2, 128),
+                                         (36, 3, 64), (16, 1, 128)])
+def test_attention_any_group(n_q, n_kv, hd):
+    """GQA groups 3, 7, 7, 5, 6 (one instance per kv head and chunk, its own width) and 12, 16 (two
+    instances per kv head and chunk: 6 + 6, 8 + 8 q heads) against the fp32 reference."""
+    from megart.tasks.attention import head_subgroups
+    sh, ms, kv_len = dict(n_q=n_q, n_kv=n_kv, hd=hd), 1024, 333
+    pk, t, (q, k, v), C = attention_only(sh, ms, kv_len, seed=n_q + hd)
+    group = n_q // n_kv
+    insts = [pk.graph.instances[u] for g in pk.graph.groups if g.label == "attention_decode" for u in g.uids]
+    assert len(insts) == n_kv * C * len(head_subgroups(group))
+    assert max(i.params["group"] for i in insts) <= 8
+    compiled(pk)
+    h = pk.emulate()
+    check(h["out"], ref_attention_decode(q, k, v, kv_len), TOL_ATTN, f"attention group {group}")
+    assert not torch.isnan(h["part_o"]).any() and not torch.isnan(h["part_ml"]).any()
+
+
+def test_head_subgroups():
+    from megart.tasks.attention import head_subgroups
+    assert head_subgroups(3) == [(0, 3)] and head_subgroups(8) == [(0, 8)]
+    assert head_subgroups(9) == [(0, 5), (5, 4)] and head_subgroups(16) == [(0, 8), (8, 8)]
 
 
 def test_attention_32k_context():
@@ -329,7 +377,7 @@ def test_bad_shapes_are_refused():
     abase = dict(q=q, k_cache=k, v_cache=v, pos=pos.ref(0, 1), part_o=po, part_ml=pm, n_q=n_q, n_kv=n_kv, hd=hd,
                  chunks=1)
     att = lambda **kw: pk.task("attention_decode", **{**abase, **kw})
-    _raises(lambda: att(n_q=24), "group")
+    _raises(lambda: att(n_q=17 * n_kv), "group")
     _raises(lambda: att(hd=32), "hd must be one of")
     _raises(lambda: att(chunks=2), "part_o has")
     _raises(lambda: att(chunk=-1), "chunk must be")

@@ -60,9 +60,10 @@ def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> tor
 
 
 def ref_qkv_rope_append(x, w_qkv, cos, sin, pos: int, n_q: int, n_kv: int, hd: int, norm_weight=None,
-                        eps: float = 1e-5, rope: bool = True):
+                        eps: float = 1e-5, rope: bool = True, q_norm=None, k_norm=None):
     """Whole-op reference in fp32 (no intermediate bf16 rounding): returns q [n_q * hd], k [n_kv, hd],
     v [n_kv, hd] (fp32) for position pos: what qkv_rope_append writes to q and to the cache rows at pos.
+    q_norm / k_norm: per-head RMSNorm gains [hd] applied before RoPE (Qwen3).
     rope=False gives the feature drop used to calibrate the tolerance."""
     xf = ref_rmsnorm(x, norm_weight, eps) if norm_weight is not None else x.float()
     y = w_qkv.float().cpu() @ xf.cpu()
@@ -70,6 +71,9 @@ def ref_qkv_rope_append(x, w_qkv, cos, sin, pos: int, n_q: int, n_kv: int, hd: i
     q = y[:n_q * hd].view(n_q, hd)
     k = y[n_q * hd:(n_q + n_kv) * hd].view(n_kv, hd)
     v = y[(n_q + n_kv) * hd:].view(n_kv, hd)
+    if q_norm is not None:
+        q = torch.stack([ref_rmsnorm(h, q_norm.cpu(), eps) for h in q])
+        k = torch.stack([ref_rmsnorm(h, k_norm.cpu(), eps) for h in k])
     if rope:
         c, s = cos[pos].float().cpu(), sin[pos].float().cpu()
 

@@ -90,6 +90,13 @@ def _check_input(cfg: LlamaConfig, inp, n=None) -> None:
         raise InputError(f"token id {int(tok)} is outside the vocabulary [0, {cfg.vocab})")
 
 
+def attention_defines(cfg: LlamaConfig) -> dict:
+    """Compile only the attention_decode bodies this shape runs (its head size, its instance widths)."""
+    from ..tasks.attention import head_subgroups
+    mask = sum(1 << n for n in {n for _, n in head_subgroups(cfg.group)})
+    return {"MEGART_ATTN_HD_ONLY": cfg.hd, "MEGART_ATTN_GROUP_MASK": hex(mask)}
+
+
 class LlamaModel:
     """Weights, KV caches, device state (token, pos) and the compiled megakernel of one decoder.
 
@@ -117,7 +124,8 @@ class LlamaModel:
         self.weights = weights if weights is not None else make_weights(cfg, seed, self.device, init)
         self.kv = kv if kv is not None else make_kv_cache(cfg, kv_seed, self.device, init)
         self.pk = PersistentKernel(nw=nw, device=self.device, profile=profile, profile_steps=profile_steps,
-                                   threads=threads, watchdog_s=watchdog_s, sm_count=sm_count, defines=defines)
+                                   threads=threads, watchdog_s=watchdog_s, sm_count=sm_count,
+                                   defines={**attention_defines(cfg), **(defines or {})})
         self.nw = self.pk.nw
         self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
         self.deps = deps
@@ -181,6 +189,7 @@ class LlamaModel:
         else:
             token = T(self.token, "token")
             table = T(W.embed, "embed")      # tied: the LM head streams this same table
+            head = T(W.head, "lm_head") if c.head_separate else table
             g_prev = self._task("embedding", "embedding", [], y=xs[0], table=table, token=token,
                                 tiles=tl["embedding"])
         fp8 = c.wdtype == "fp8"
@@ -190,10 +199,11 @@ class LlamaModel:
             p = f"L{l}."
             q = T(self.q[l], p + "q")
             kct, vct = T(kc, p + "k_cache"), T(vc, p + "v_cache")
+            qk_norm = dict(q_norm=T(L["q_norm"], p + "q_norm"), k_norm=T(L["k_norm"], p + "k_norm")) if c.qk_norm else {}
             g_qkv = self._task(p + "qkv", "qkv_rope_append", [g_prev, g_pos],
                                q=q, k_cache=kct, v_cache=vct, w_qkv=T(L["wqkv"], p + "wqkv"), x=xs[l],
                                norm_weight=T(L["in_norm"], p + "in_norm"), eps=eps, cos=cos, sin=sin, pos=pos,
-                               n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, kv_refs=self.kv_refs, tiles=tl["qkv"])
+                               n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, kv_refs=self.kv_refs, tiles=tl["qkv"], **qk_norm)
             po, pm = T(self.part_o[l], p + "part_o"), T(self.part_ml[l], p + "part_ml")
             g_att = self._task(p + "attn", "attention_decode", [g_qkv],
                                q=q, k_cache=kct, v_cache=vct, pos=pos, part_o=po, part_ml=pm, n_q=c.n_q,
@@ -218,7 +228,7 @@ class LlamaModel:
         if not c.block:
             pv, pi = T(self.part_val, "part_val"), T(self.part_idx, "part_idx")
             extra = dict(logits=T(self.logits, "logits")) if self.with_logits else {}
-            g_lm = self._task("lm_head", "lm_head_argmax", [g_prev], w=table, x=xs[-1], part_val=pv, part_idx=pi,
+            g_lm = self._task("lm_head", "lm_head_argmax", [g_prev], w=head, x=xs[-1], part_val=pv, part_idx=pi,
                               norm_weight=T(W.final_norm, "final_norm"), eps=eps, tiles=tl["lm"], **extra)
             # token is read by the embedding at the step's start: that write-after-read is implied here
             g_am = self._task("argmax", "argmax_reduce", [g_lm], token=token, part_val=pv, part_idx=pi)

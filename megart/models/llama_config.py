@@ -29,12 +29,16 @@ class LlamaConfig:
     n_kv: int
     hd: int
     vocab: int = 0
-    tied: bool = True             # LM head = embedding table (the only supported layout)
+    tied: bool = True             # LM head = embedding table; False: a separate head matrix
     eps: float = 1e-5
     theta: float = 500000.0
     prefill: int = 2048           # KV rows [0, prefill) hold a seeded random prefix; decode starts at pos=prefill
     max_seq: int = 3072           # cache capacity (rows); pos < max_seq always
     wdtype: str = "bf16"          # "bf16" | "fp8" (e4m3 + per-output-channel f32 scale)
+    # Llama 3.1 / 3.2 RoPE frequency scaling ("llama3"): (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); () = none
+    rope_llama3: tuple = ()
+    qk_norm: bool = False         # Qwen3: RMSNorm per head on q and k (gains [hd]) before RoPE
 
     def __post_init__(self):
         if self.wdtype not in ("bf16", "fp8"):
@@ -43,10 +47,11 @@ class LlamaConfig:
             raise ValueError(f"n_q={self.n_q} must be a multiple of n_kv={self.n_kv}")
         if self.hd % 2:
             raise ValueError("head_dim must be even (rotate-half RoPE)")
-        if not 0 < self.prefill < self.max_seq:
-            raise ValueError(f"need 0 < prefill ({self.prefill}) < max_seq ({self.max_seq})")
-        if not self.tied:
-            raise ValueError("only a tied LM head is supported")
+        if not 0 <= self.prefill < self.max_seq:
+            raise ValueError(f"need 0 <= prefill ({self.prefill}) < max_seq ({self.max_seq})")
+        if self.rope_llama3 and len(self.rope_llama3) != 4:
+            raise ValueError(f"rope_llama3 must be (factor, low_freq_factor, high_freq_factor, original_max_position"
+                             f"_embeddings), got {self.rope_llama3!r}")
 
     @property
     def block(self) -> bool:
@@ -62,6 +67,11 @@ class LlamaConfig:
 
     def layer_params(self) -> int:
         return (self.qkv_rows * self.d + self.d * self.n_q * self.hd + 3 * self.ffn * self.d)
+
+    @property
+    def head_separate(self) -> bool:
+        """An LM head of its own (untied): the embedding table and the head are two matrices."""
+        return not self.block and not self.tied
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams (norm gains included; the embedding row ignored).
@@ -127,12 +137,38 @@ def tiny(layers: int = 2, d: int = 256, ffn: int = 512, n_q: int = 4, n_kv: int 
                        prefill=prefill, max_seq=max_seq, wdtype=wdtype)
 
 
+def llama_3b(context: int = 2048, headroom: int = 1024) -> LlamaConfig:
+    """Llama-3.2-3B shape: 28 layers, d 3072, ffn 8192, 24/8 heads (GQA group 3), hd 128, tied head, llama3 RoPE."""
+    return LlamaConfig(name="llama3b", layers=28, d=3072, ffn=8192, n_q=24, n_kv=8, hd=128, vocab=128256,
+                       prefill=context, max_seq=_max_seq(context, headroom), rope_llama3=(32.0, 1.0, 4.0, 8192))
+
+
+def llama_8b(context: int = 2048, headroom: int = 1024) -> LlamaConfig:
+    """Llama-3.1-8B shape: 32 layers, d 4096, ffn 14336, 32/8 heads, hd 128, UNTIED head, llama3 RoPE."""
+    return LlamaConfig(name="llama8b", layers=32, d=4096, ffn=14336, n_q=32, n_kv=8, hd=128, vocab=128256,
+                       tied=False, prefill=context, max_seq=_max_seq(context, headroom),
+                       rope_llama3=(8.0, 1.0, 4.0, 8192))
+
+
+def qwen3(size: str = "0.6b", context: int = 2048, headroom: int = 1024) -> LlamaConfig:
+    """Qwen3-0.6B (28 layers, d 1024, ffn 3072, 16/8 heads, tied) or Qwen3-8B (36 layers, d 4096, ffn 12288,
+    32/8 heads, untied): hd 128, per-head q/k norm, theta 1e6, eps 1e-6, vocab 151936."""
+    shape = {"0.6b": dict(layers=28, d=1024, ffn=3072, n_q=16, n_kv=8, tied=True),
+             "8b": dict(layers=36, d=4096, ffn=12288, n_q=32, n_kv=8, tied=False)}[size]
+    return LlamaConfig(name=f"qwen3_{size}", hd=128, vocab=151936, eps=1e-6, theta=1e6, qk_norm=True,
+                       prefill=context, max_seq=_max_seq(context, headroom), **shape)
+
+
 CONFIGS = {
     "1b": lambda: llama_1b(2048),
     "1b_32k": lambda: llama_1b(32768),
     "1b_fp8": lambda: llama_1b_fp8(),
     "block8b": block_8b,
     "small": small,
+    "3b": llama_3b,
+    "8b": llama_8b,
+    "qwen3_0.6b": lambda: qwen3("0.6b"),
+    "qwen3_8b": lambda: qwen3("8b"),
     "tiny": tiny,
     "tiny_fp8": lambda: tiny(wdtype="fp8"),
     "tiny_block": lambda: tiny(vocab=0),
@@ -158,8 +194,8 @@ class LlamaWeights:
     """layers[i]: in_norm, post_norm (bf16 [d]); wqkv (rows: q heads, k heads, v heads), wo, wg, wu, wd
     in bf16; fp8: wo, wg, wu, wd in e4m3 with an f32 per-row scale under `s<name>` (e.g. `swo`), and
     wg / wu are the two halves of one [2 ffn, d] matrix `wgu` (scales `swgu`).
-    embed / head: bf16 [vocab, d], the same tensor (tied); shead stays None (the head is bf16 in every
-    variant, see FP8_LINEARS)."""
+    embed / head: bf16 [vocab, d], the same tensor when tied, two when not; shead stays None (the head is
+    bf16 in every variant, see FP8_LINEARS). qk_norm configs: layers[i] also hold q_norm, k_norm (bf16 [hd])."""
     cfg: LlamaConfig
     layers: list = field(default_factory=list)
     embed: torch.Tensor | None = None
@@ -224,6 +260,8 @@ def make_weights(cfg: LlamaConfig, seed: int = 0, device="cpu", init: str = "ran
     W = LlamaWeights(cfg)
     for _ in range(cfg.layers):
         L = {"in_norm": gain(cfg.d), "post_norm": gain(cfg.d)}
+        if cfg.qk_norm:
+            L["q_norm"], L["k_norm"] = gain(cfg.hd), gain(cfg.hd)
         for name, (r, c) in (("wqkv", (cfg.qkv_rows, cfg.d)), ("wo", (cfg.d, cfg.n_q * cfg.hd)),
                              ("wg", (cfg.ffn, cfg.d)), ("wu", (cfg.ffn, cfg.d)), ("wd", (cfg.d, cfg.ffn))):
             w, s = mat(r, c, cfg.wdtype == "fp8" and name in FP8_LINEARS)
@@ -240,7 +278,7 @@ def make_weights(cfg: LlamaConfig, seed: int = 0, device="cpu", init: str = "ran
     if not cfg.block:
         W.final_norm = gain(cfg.d)
         W.head, W.shead = mat(cfg.vocab, cfg.d, False)
-        W.embed = W.head
+        W.embed = mat(cfg.vocab, cfg.d, False)[0] if cfg.head_separate else W.head
     return W
 
 
@@ -267,11 +305,26 @@ def clone_kv(kv: list) -> list:
     return [(k.clone(), v.clone()) for k, v in kv]
 
 
-def rope_tables(cfg: LlamaConfig, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """f32 cos, sin tables of shape (max_seq, hd // 2): angle[p, i] = p * theta ** (-2i / hd).
-    Rotate-half RoPE: out[:h] = x[:h] cos - x[h:] sin, out[h:] = x[h:] cos + x[:h] sin (h = hd / 2)."""
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """f64 inverse frequencies theta ** (-2i / hd), i < hd / 2, with the llama3 scaling when configured:
+    wavelengths longer than original / low_freq_factor are slowed by `factor`, those shorter than
+    original / high_freq_factor kept, and the band between interpolated linearly in original / wavelength."""
     half = cfg.hd // 2
     inv = cfg.theta ** (-torch.arange(0, half, dtype=torch.float64) * 2.0 / cfg.hd)
+    if not cfg.rope_llama3:
+        return inv
+    factor, low, high, original = (float(v) for v in cfg.rope_llama3)
+    wavelen = 2 * math.pi / inv
+    smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)   # 0: long waves, 1: short waves
+    scaled = (1 - smooth) * inv / factor + smooth * inv
+    return torch.where(wavelen < original / high, inv, torch.where(wavelen > original / low, inv / factor, scaled))
+
+
+def rope_tables(cfg: LlamaConfig, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """f32 cos, sin tables of shape (max_seq, hd // 2): angle[p, i] = p * inv_freq[i] (rope_inv_freq), computed
+    once on the host in f64. Rotate-half RoPE: out[:h] = x[:h] cos - x[h:] sin, out[h:] = x[h:] cos + x[:h] sin
+    (h = hd / 2)."""
+    inv = rope_inv_freq(cfg)
     ang = torch.arange(cfg.max_seq, dtype=torch.float64)[:, None] * inv[None, :]
     return ang.cos().float().to(device).contiguous(), ang.sin().float().to(device).contiguous()
 

@@ -52,6 +52,8 @@ class Reference:
         for i, L in enumerate(weights.layers):
             lw = {n: self._weight(weights, i, n) for n in ("wqkv", "wo", "wg", "wu", "wd")}
             lw["in_norm"], lw["post_norm"] = L["in_norm"].float(), L["post_norm"].float()
+            if cfg.qk_norm:
+                lw["q_norm"], lw["k_norm"] = L["q_norm"].float(), L["k_norm"].float()
             self.layers.append(lw)
         if not cfg.block:
             self.final_norm = weights.final_norm.float()
@@ -89,6 +91,10 @@ class Reference:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.eps) * w).to(self.dt)
 
+    def _head_norm(self, t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        tf = t.float()
+        return tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + self.cfg.eps) * w
+
     def _rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """t (heads, hd) -> fp32 rotate-half RoPE at one position (cos/sin (hd/2,) fp32)."""
         h = self.cfg.hd // 2
@@ -103,6 +109,8 @@ class Reference:
         q = qkv[: c.n_q * c.hd].view(c.n_q, c.hd)
         k = qkv[c.n_q * c.hd:(c.n_q + c.n_kv) * c.hd].view(c.n_kv, c.hd)
         v = qkv[(c.n_q + c.n_kv) * c.hd:].view(c.n_kv, c.hd)
+        if c.qk_norm:       # Qwen3: per-head RMSNorm of the fp32 projections, before RoPE
+            q, k = self._head_norm(q, lw["q_norm"]), self._head_norm(k, lw["k_norm"])
         q = self._rope(q, cos, sin).to(self.dt)
         k = self._rope(k, cos, sin).to(self.dt)
         return q, k, v.to(self.dt)

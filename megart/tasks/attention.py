@@ -28,9 +28,10 @@ from .shapes import check_shape
 from .tiling import even_tiles, require
 
 ATTN_HD = (64, 128)
-ATTN_GROUPS = (1, 2, 4, 8)
+ATTN_MAX_GROUP = 16       # n_q / n_kv; an instance serves at most ATTN_SUBGROUP of them
+ATTN_SUBGROUP = 8         # q heads one attention_decode instance holds in registers (its template width)
 QKV_MAX_D = 8192
-MODE_ROPE, MODE_NORM, MODE_CACHE = 1, 2, 4
+MODE_ROPE, MODE_NORM, MODE_CACHE, MODE_HEAD_NORM = 1, 2, 4, 8
 SMEM_QKV = 4 * (128 * 32 + 32)              # per-warp row partials for up to 128 rows x 32 warps, scratch
 SMEM_ATTN_MERGE = 4 * 8 * 8 * (128 + 2)     # 8 warps x group 8 x (hd 128 + m, l) merge stage
 ATTN_RING = 64 * 1024                       # attention_decode's K/V ring (MEGART_ATTN_RING_BYTES), any thread count
@@ -68,7 +69,7 @@ def _sub_counts(total, n, cap):
 
 
 def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q, n_kv, hd, norm_weight=None,
-               eps=1e-5, max_seq=None, kv_refs="strict"):
+               eps=1e-5, max_seq=None, kv_refs="strict", q_norm=None, k_norm=None):
     T = "qkv_rope_append"
     qr, kr, vr, wr = as_ref(q, "q"), as_ref(k_cache, "k_cache"), as_ref(v_cache, "v_cache"), as_ref(w_qkv, "w_qkv")
     xr, cr, sr, pr = as_ref(x, "x"), as_ref(cos, "cos"), as_ref(sin, "sin"), as_ref(pos, "pos")
@@ -102,10 +103,21 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
         mode_norm = MODE_NORM
     eps = float(eps)
     require(eps > 0, T, f"eps must be > 0, got {eps}")
+    require((q_norm is None) == (k_norm is None), T, "q_norm and k_norm come together (Qwen3) or not at all")
+    head_norm = {}
+    if q_norm is not None:
+        for name, t in (("q", q_norm), ("k", k_norm)):
+            r = as_ref(t, f"{name}_norm")
+            require(r.count == hd, T, f"{name}_norm has {r.count} elements, expected hd = {hd}")
+            head_norm[name] = r
 
     heads = [("q", h) for h in range(n_q)] + [("k", h) for h in range(n_kv)] + [("v", h) for h in range(n_kv)]
     total = _auto_tiles(tiles, nw)
-    if kv_refs == "partition":
+    if head_norm:
+        # a normed head needs all hd dots in one instance: q and k heads whole, v heads share the rest
+        v_subs = _sub_counts(total - n_q - n_kv, n_kv, half) if kv_refs == "partition" else [1] * n_kv
+        subs = [1] * (n_q + n_kv) + v_subs
+    elif kv_refs == "partition":
         subs = _sub_counts(total, len(heads), half)
     else:
         subs = _sub_counts(total - 2 * n_kv, n_q, half) + [1] * (2 * n_kv)
@@ -126,9 +138,13 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
                 dst = cache.tensor.ref(base + a, end - a)   # whole head when nsub == 1
                 dst2 = dst
                 mode = MODE_CACHE | (MODE_ROPE if kind == "k" else 0)
-            out.append(dict(w=w_ref, x=xr, norm_weight=nr if nr is not None else w_ref.tensor.ref(w_ref.offset, 1),
-                            cos=cr, sin=sr, pos=pr, dst=dst, dst2=dst2, mode=mode | mode_norm, npairs=b - a,
-                            pair0=a, d=d, half=half, max_seq=ms, eps=eps))
+            dummy = w_ref.tensor.ref(w_ref.offset, 1)     # an unused pointer param still needs a valid ref
+            hn = head_norm.get(kind)
+            if hn is not None:
+                mode |= MODE_HEAD_NORM
+            out.append(dict(w=w_ref, x=xr, norm_weight=nr if nr is not None else dummy,
+                            cos=cr, sin=sr, pos=pr, dst=dst, dst2=dst2, head_norm=hn if hn is not None else dummy,
+                            mode=mode | mode_norm, npairs=b - a, pair0=a, d=d, half=half, max_seq=ms, eps=eps))
     return out
 
 
@@ -147,6 +163,10 @@ def _qkv_ref(p) -> None:
     w = p.w.view(-1, d)
     lo = w[:n].float() @ x
     hi = w[half:half + n].float() @ x
+    if p.mode & MODE_HEAD_NORM:     # the instance holds the whole head (n == half)
+        inv = torch.rsqrt((lo * lo + hi * hi).sum() / (2 * n) + torch.tensor(p.eps, dtype=torch.float32))
+        g = p.head_norm.float()
+        lo, hi = lo * inv * g[a:a + n], hi * inv * g[half + a:half + a + n]
     if p.mode & MODE_ROPE:
         c = p.cos[pos * half + a:pos * half + a + n]
         s = p.sin[pos * half + a:pos * half + a + n]
@@ -174,13 +194,13 @@ register(TaskType(
     name="qkv_rope_append", id=64,
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
             ptr("cos", "f32", "weight"), ptr("sin", "f32", "weight"), ptr("pos", "i32", "in"),
-            ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"),
+            ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"), ptr("head_norm", "bf16", "weight"),
             scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
             scalar("eps", "f32")),
     source="tasks/qkv_rope_append.cuh", headers=ATTENTION_HEADERS, reference=_qkv_ref, split=_qkv_split, cost=_qkv_cost,
     smem_bytes=SMEM_QKV, prefetch=True,
-    doc="q, k, v = (rmsnorm(x)) @ w_qkv.T; rotate-half RoPE on q, k at the device position pos; "
-        "k, v appended to the caches at row pos."), builtin=True)
+    doc="q, k, v = (rmsnorm(x)) @ w_qkv.T; optional per-head RMSNorm of q, k (q_norm / k_norm, Qwen3); "
+        "rotate-half RoPE on q, k at the device position pos; k, v appended to the caches at row pos."), builtin=True)
 
 
 # --- attention_decode ------------------------------------------------------------------------------------
@@ -190,7 +210,7 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
     require(hd in ATTN_HD, T, f"hd must be one of {ATTN_HD}, got {hd}")
     require(n_q >= 1 and n_kv >= 1 and n_q % n_kv == 0, T, f"n_q ({n_q}) must be a positive multiple of n_kv ({n_kv})")
     group = n_q // n_kv
-    require(group in ATTN_GROUPS, T, f"group n_q / n_kv must be one of {ATTN_GROUPS}, got {group}")
+    require(1 <= group <= ATTN_MAX_GROUP, T, f"group n_q / n_kv must be in [1, {ATTN_MAX_GROUP}], got {group}")
     require(qr.count == n_q * hd, T, f"q has {qr.count} elements, expected n_q * hd = {n_q * hd}")
     require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
             f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
@@ -232,15 +252,25 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
     scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
     out = []
     for h in range(n_kv):
-        q_ref = qr.tensor.ref(qr.offset + h * group * hd, group * hd)
         k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
         v_ref = vr.tensor.ref(vr.offset + h * ms * hd, ms * hd)
-        for c in range(nch):
-            out.append(dict(q=q_ref, k_cache=k_ref, v_cache=v_ref, pos=pr,
-                            part_o=por.tensor.ref(por.offset + (h * nch + c) * group * hd, group * hd),
-                            part_ml=pmr.tensor.ref(pmr.offset + (h * nch + c) * group * 2, group * 2),
-                            group=group, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale))
+        for g0, ng in head_subgroups(group):
+            q_ref = qr.tensor.ref(qr.offset + (h * group + g0) * hd, ng * hd)
+            for c in range(nch):
+                slot = (h * nch + c) * group + g0        # [n_kv, chunks, group] index of the first q head
+                out.append(dict(q=q_ref, k_cache=k_ref, v_cache=v_ref, pos=pr,
+                                part_o=por.tensor.ref(por.offset + slot * hd, ng * hd),
+                                part_ml=pmr.tensor.ref(pmr.offset + slot * 2, ng * 2),
+                                group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale))
     return out
+
+
+def head_subgroups(group: int) -> list[tuple[int, int]]:
+    """(first q head, count) of the instances sharing one kv head: the whole group up to ATTN_SUBGROUP,
+    else the fewest near-equal pieces (9 -> 5 + 4, 16 -> 8 + 8), each a size the device code instantiates.
+    Each piece reads the kv head's K/V itself, so groups over 8 stream it twice."""
+    n = -(-group // ATTN_SUBGROUP)
+    return [(a, b - a) for a, b in even_tiles(group, n)]
 
 
 def chunk_range(chunk: int, cidx: int, nchunks: int, kv_len: int) -> tuple[int, int]:
