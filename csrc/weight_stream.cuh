@@ -119,7 +119,7 @@ struct WarpStream {
 };
 
 #if MEGART_STREAM_SLOTS > 0
-#if !defined(MEGART_STREAM_OFFSET) || !defined(MEGART_STREAM_SLOT_BYTES)
+#if !defined(MEGART_STREAM_OFFSET) || !defined(MEGART_STREAM_SLOT_BYTES) || !defined(MEGART_STREAM_HANG_FREE)
 #error "MEGART_STREAM_SLOTS needs the ring layout from megart/stream.py"
 #endif
 static_assert(MEGART_STREAM_OFFSET % 128 == 0, "the stream ring starts 128-byte aligned");
@@ -137,7 +137,7 @@ constexpr bool kProducerWarp = true;
 #endif
 // Hang records name the ring: event -1 - slot for a stage that never landed, kHangSlotFree - slot for a
 // slot the producer waited on and that was never read.
-constexpr int kHangSlotFree = -1001;
+constexpr int kHangSlotFree = MEGART_STREAM_HANG_FREE;  // (megart/stream.py decodes it)
 
 // Launch-wide state, one per CTA (static shared memory): where the queue is, what the watchdog needs,
 // each warp's producer state and its slots' mbarriers.
@@ -192,6 +192,37 @@ __device__ __forceinline__ bool stream_wait(unsigned long long* b, unsigned pari
   megart_host_fault("weight stream: a wait on a phase that never completes (consumers and producer disagree)");
   return false;
 #endif
+}
+
+// How a warp tells the producer a slot is free: an arrive on the slot's "empty" mbarrier (the default),
+// or (MEGART_STREAM_FREE=1) a release store of its read count that the producer acquires. Inline
+// production needs neither on the device (the warp itself issues); the host simulation keeps the barrier
+// to check the phases.
+#if !defined(__CUDA_ARCH__)
+constexpr bool kFreeByBarrier = true;
+#elif defined(MEGART_STREAM_FREE) && MEGART_STREAM_FREE == 1
+constexpr bool kFreeByBarrier = false;
+#else
+constexpr bool kFreeByBarrier = kProducerWarp;
+#endif
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ void st_release_shared(unsigned* p, unsigned v) {
+  asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_addr(p)), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ld_acquire_shared(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)) : "memory");
+  return v;
+}
+#else
+inline void st_release_shared(unsigned* p, unsigned v) { *p = v; }
+inline unsigned ld_acquire_shared(const unsigned* p) { return *p; }
+#endif
+// Producer: is warp w's next slot free (its previous stage, `kStreamSlots` back, read)?
+__device__ __forceinline__ bool stream_slot_free(const WarpStream& ws, int w) {
+  const unsigned use = ws.issued / kStreamSlots;
+  if (kFreeByBarrier) return mbar_test(stream_empty(w, (int)(ws.issued % kStreamSlots)), (use - 1) & 1u);
+  return ld_acquire_shared(&ws.consumed) + kStreamSlots > ws.issued;
 }
 
 // One producer step for warp w: issue its next stage into the next slot, or step over an entry with no
@@ -272,7 +303,7 @@ __device__ __forceinline__ void stream_produce() {
     if (ws && ws->q < s_stream.q1) {
       live = true;
       const unsigned use = ws->issued / kStreamSlots;
-      if (use == 0 || mbar_test(stream_empty(w, (int)(ws->issued % kStreamSlots)), (use - 1) & 1u))
+      if (use == 0 || stream_slot_free(*ws, w))
         issued = stream_step(*ws, w);
     }
     if (!__any_sync(0xffffffffu, live)) return;
@@ -345,8 +376,8 @@ __device__ __forceinline__ void stream_release(int warp) {
   if ((threadIdx.x & 31) == 0) {
     WarpStream& ws = s_stream.warp[warp];
     const unsigned j = ws.consumed;
-    mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
-    ws.consumed = j + 1;
+    if (kFreeByBarrier) mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
+    st_release_shared(&ws.consumed, j + 1);
     if (!kProducerWarp) stream_inline_produce(ws, warp);
   }
   __syncwarp();

@@ -196,7 +196,7 @@ class PersistentKernel:
         events = self.schedule.events
         return dict(worker=int(ctrl[CTRL["hang_worker"]]), queue_pos=int(ctrl[CTRL["hang_queue_pos"]]),
                     task=name, task_id=tid, instance=int(ctrl[CTRL["hang_instance"]]), event=ev,
-                    event_name=events[ev].name if 0 <= ev < len(events) else "?",
+                    event_name=events[ev].name if 0 <= ev < len(events) else stream.hang_site(ev),
                     have=int(ctrl[CTRL["hang_have"]]), need=int(ctrl[CTRL["hang_need"]]))
 
     @property

@@ -24,6 +24,7 @@ OWNED_MACROS = {
     "MEGART_PRODUCER_THREADS": "the weight stream's producer, from MEGART_STREAM_SLOTS and threads=",
     "MEGART_COMPUTE_REGS": "the weight stream's register split, from threads=",
     "MEGART_PRODUCER_REGS": "the weight stream's register split, from threads=",
+    "MEGART_STREAM_HANG_FREE": "the weight stream's hang code (megart/stream.py)",
 }
 # Macros Python also reads (to size shared memory): they must be non-negative integers.
 INT_MACROS = ("MEGART_DENSE_RING_SLOTS", "MEGART_ATTN_RING_BYTES", "MEGART_PREFETCH_KB")

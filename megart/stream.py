@@ -26,6 +26,9 @@ WARPGROUP = 128                # setmaxnreg works per warpgroup (4 warps)
 REGS_PER_SM = 65536
 PRODUCER_REGS = 48             # the producer loop spills below this (ptxas, Llama-1B kernel); the compute warps get the rest
 MAX_REGS = 256
+# Hang records of the ring (csrc/weight_stream.cuh): the event word holds -1 - slot for a stage that never
+# landed, HANG_SLOT_FREE - slot for a slot the producer waited on that no warp freed.
+HANG_SLOT_FREE = -1001
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class StreamLayout:
             return {"MEGART_STREAM_SLOTS": 0}
         out = {"MEGART_STREAM_SLOTS": self.slots, "MEGART_STREAM_OFFSET": self.offset,
                "MEGART_STREAM_SLOT_BYTES": SLOT_BYTES, "MEGART_STREAM_PRODUCER": int(self.producer_warp),
-               "MEGART_PRODUCER_THREADS": self.producer_threads(threads)}
+               "MEGART_PRODUCER_THREADS": self.producer_threads(threads), "MEGART_STREAM_HANG_FREE": HANG_SLOT_FREE}
         split = self.register_split(threads)
         if split:
             out["MEGART_COMPUTE_REGS"], out["MEGART_PRODUCER_REGS"] = split
@@ -114,3 +117,13 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
         return StreamLayout()
     producer = str(caller_macros(cfg).get("MEGART_STREAM_PRODUCER", "1")).strip() not in ("0", "")
     return StreamLayout(slots=slots, offset=offset, types=names, producer_warp=producer)
+
+
+
+def hang_site(event: int) -> str:
+    """What a negative event of a hang record names, or '?'."""
+    if HANG_SLOT_FREE - 64 < event <= HANG_SLOT_FREE:
+        return f"weight-stream ring slot {HANG_SLOT_FREE - event} (never freed; have = the warp's stage, need = warp)"
+    if -64 <= event <= -1:
+        return f"weight-stream ring slot {-1 - event} (stage never landed; have = the warp's stage, need = warp)"
+    return "?"

@@ -70,12 +70,7 @@ class CheckpointModel(LlamaModel):
                              f"most {self.cfg.max_seq - 1} (one cache row is needed per decoded token)")
         return ids.to(self.device, torch.long)
 
-    def step(self, inp=None, pos: int | None = None):
-        if inp is not None:
-            t = torch.as_tensor(inp).reshape(-1)
-            if t.numel() != 1 or t.is_floating_point() or not 0 <= int(t[0]) < self.cfg.vocab:
-                raise ValueError(f"token {inp!r} is not one id in the vocabulary [0, {self.cfg.vocab})")
-        return super().step(inp, pos)
+    # step(): LlamaModel.step refuses a token outside the vocabulary (InputError, a ValueError)
 
     # --- prompt in ------------------------------------------------------------------------------------
     def prefill(self, token_ids) -> torch.Tensor:

@@ -1,0 +1,37 @@
+"""Run a few Llama decode steps (1B shape) for compute-sanitizer: scripts/sanitize.sh runs this under
+memcheck, racecheck and synccheck. --layers trims the model (the tools slow the kernel 10-1000x)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megart.models import llama  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", default="1b")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: the config's)")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--defines", default="", help="kernel macros, NAME=VALUE,...")
+    args = ap.parse_args(argv)
+    cfg = llama.config(args.config)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, layers=args.layers)
+    defines = dict(x.split("=", 1) for x in args.defines.split(",") if x)
+    m = llama.LlamaModel(cfg, device="cuda", defines=defines, watchdog_s=60)
+    for _ in range(args.steps):
+        m.step()
+    m.sync()
+    print(f"sanitize_step: {cfg.name} {cfg.layers} layers, {args.steps} steps, defines {defines}: ok, "
+          f"stream slots {m.pk.stream_layout().slots}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The weight stream (megart/stream.py, csrc/weight_stream.cuh) without a GPU: its sizing, the code generated
+for it, its hang codes, and the host simulation catching a producer and consumers that disagree. (Its
+outputs against the other engines: tests/test_tasks_dense.py::test_weight_engines_are_bit_identical...)"""
+import pytest
+import torch
+
+import megart
+from megart import codegen, registry, stream
+from megart.config import KernelConfig
+from megart.errors import GraphError, ResidencyError
+from megart.geometry import dense as geo
+from megart.tasks import dense_hostsim
+from test_tasks_dense import STREAM, _broken
+
+DENSE = ("gemv_m1", "gemv_m1_fp8", "gate_up_silu", "lm_head_argmax")
+
+
+def _types(*names):
+    return [registry.get(n) for n in names]
+
+
+def test_off_unless_asked_for():
+    assert stream.layout(_types(*DENSE), KernelConfig()).slots == 0
+    assert stream.layout(_types(*DENSE), KernelConfig(defines={"MEGART_STREAM_SLOTS": 0})).slots == 0
+
+
+def test_auto_depth_follows_the_shared_memory_left():
+    """Dense types alone: 3 slots of 8 KB per warp after the 33 KB x staging; with attention's 64 KB ring
+    in the kernel: 2; two CTAs per SM: none; 512 threads with attention: one slot would not double-buffer."""
+    auto = {"MEGART_STREAM_SLOTS": "auto"}
+    dense = stream.layout(_types(*DENSE), KernelConfig(defines=auto))
+    assert (dense.slots, dense.offset, set(dense.types)) == (3, 33024, set(DENSE))
+    with_attn = stream.layout(_types("gemv_m1", "attention_decode"), KernelConfig(defines=auto))
+    assert with_attn.slots == 2 and with_attn.offset >= 64 * 1024 and with_attn.types == ("gemv_m1",)
+    assert stream.layout(_types(*DENSE), KernelConfig(defines=auto, min_blocks=2)).slots == 0
+    assert stream.layout(_types("gemv_m1", "attention_decode"), KernelConfig(threads=512, defines=auto)).slots == 0
+    for lay, threads in ((dense, 256), (with_attn, 256)):
+        assert lay.offset + lay.ring_bytes(threads) <= stream.SMEM_PER_BLOCK - stream.STATIC_RESERVE
+
+
+def test_producer_and_register_split():
+    lay = stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 2}))
+    assert lay.block_threads(256) == 384 and lay.register_split(256) == (232, 48)
+    assert 256 * 232 + 128 * 48 <= stream.REGS_PER_SM
+    assert lay.block_threads(96) == 128 and lay.register_split(96) is None      # not whole warpgroups
+    inline = stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 2,
+                                                                     "MEGART_STREAM_PRODUCER": 0}))
+    assert inline.block_threads(256) == 256 and inline.register_split(256) is None
+
+
+def test_what_is_not_streamed():
+    two = {"MEGART_STREAM_SLOTS": 2}
+    lay = stream.layout(_types(*DENSE), KernelConfig(defines=two), overrides={"gemv_m1": "/x/cand.cuh"})
+    assert "gemv_m1" not in lay.types and "gate_up_silu" in lay.types        # a candidate body need not stream
+    assert stream.layout(_types("attention_decode", "copy"), KernelConfig(defines=two)).slots == 0
+
+
+def test_bad_requests_are_named():
+    with pytest.raises(GraphError, match="MEGART_STREAM_SLOTS"):
+        stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": "lots"}))
+    with pytest.raises(GraphError, match="MEGART_DENSE_RING_SLOTS"):
+        stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 2, "MEGART_DENSE_RING_SLOTS": 2}))
+    pk = megart.PersistentKernel(nw=2, device="cpu", defines=STREAM(4))       # 8 warps x 4 x 8 KB + 33 KB
+    w, x = geo.dense_m1(64, 256, seed=1)
+    pk.task("gemv_m1", y=pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
+            x=pk.tensor(x, "x"), tiles=2)
+    with pytest.raises(ResidencyError, match="shared memory"):
+        pk.compile()
+
+
+def test_generated_source():
+    cfg = KernelConfig(defines={"MEGART_STREAM_SLOTS": 2})
+    src = codegen.generate(_types("gemv_m1", "gate_up_silu", "copy"), cfg).text
+    for name in ("gemv_m1", "gate_up_silu"):
+        t = registry.get(name)
+        assert f"struct StreamOn<::{t.struct_name}>" in src
+        assert f"case {t.id}: return megart::dense::stream_issue(plan_{name}(" in src
+        assert f"case {t.id}: megart_prefetch_{name}(" not in src          # the stream is its prefetch
+    assert "StreamOn<::megart_params_copy>" not in src
+    assert "#define __syncthreads() megart::cta_sync()" in src
+    assert "#define MEGART_BLOCK_THREADS 384" in src and "#define MEGART_COMPUTE_REGS 232" in src
+    plain = codegen.generate(_types("gemv_m1"), KernelConfig()).text
+    assert "StreamOn<::" not in plain and "#define __syncthreads()" not in plain
+    assert "#define MEGART_BLOCK_THREADS 256" in plain
+
+
+def test_hang_codes_name_the_ring_slot():
+    assert "slot 1" in stream.hang_site(-2) and "never landed" in stream.hang_site(-2)
+    assert "slot 2" in stream.hang_site(stream.HANG_SLOT_FREE - 2) and "never freed" in stream.hang_site(-1003)
+    assert stream.hang_site(-500) == "?"
+
+
+def _one_gemv(src, n=300, k=64):
+    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines=STREAM(2))
+    w, x = geo.dense_m1(n, k, seed=1)
+    pk.task("gemv_m1", y=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
+            x=pk.tensor(x, "x"))
+    pk.compile()
+    return pk
+
+
+def test_hostsim_catches_a_producer_that_skips_stages(tmp_path):
+    """The producer issues only each warp's first row pair; the consumers then wait on a phase that never
+    completes (a hang on the device): reported, not hung and not silently read."""
+    pk = _one_gemv(_broken(tmp_path, "  if (!st.live) return false;\n  const void* w[2];",
+                           "  if (!st.live || st.k > 0) return false;\n  const void* w[2];"))
+    with pytest.raises(dense_hostsim.HostSimError, match="never completes"):
+        dense_hostsim.run(pk)
+
+
+def test_hostsim_catches_stages_never_read(tmp_path):
+    """The consumers read only their first row pair: the stages issued for the rest are reported."""
+    pk = _one_gemv(_broken(tmp_path, "      stream_release(warp);\n      st.next();",
+                           "      stream_release(warp);\n      st.next();\n      if (st.k > 0) st.live = false;"))
+    with pytest.raises(dense_hostsim.HostSimError, match="never read"):
+        dense_hostsim.run(pk)
