@@ -15,8 +15,8 @@
 // launch start and once at the end.
 //
 // What a stage is belongs to the stream format (the dense matvec stage of tasks/dense_common.cuh: one
-// row pair x up to 256 16-byte chunks); the generated megart_stream_issue() switch asks the task type of
-// queue entry q to issue warp w's next stage. Python (megart/stream.py) sizes the ring and passes its
+// row pair x up to 256 16-byte chunks); the generated megart_stream_open() switch asks the task type of
+// queue entry q where warp w's stages are, once, and the format issues them from then on. Python (megart/stream.py) sizes the ring and passes its
 // layout in MEGART_STREAM_SLOTS / _OFFSET / _SLOT_BYTES; these headers only static_assert it.
 #pragma once
 namespace megart {
@@ -115,7 +115,8 @@ struct WarpStream {
   int fresh;      // 1: `cursor` not yet set up for entry q
   unsigned issued;    // stages issued since the launch began (slot = n % kStreamSlots)
   unsigned consumed;  // stages warp w has read (written by the warp; read at the end)
-  int cursor[12];     // the stream format's position inside entry q (opaque here)
+  unsigned long long cursor[9];  // the stream format's state for entry q (opaque here): where the
+                                 // warp is in it and what its rows are, so no stage re-reads descriptors
 };
 
 #if MEGART_STREAM_SLOTS > 0
@@ -154,9 +155,12 @@ struct StreamShared {
 };
 __shared__ StreamShared s_stream;
 
-// Generated after the task bodies (codegen): asks entry d's type to issue compute warp `warp`'s next
-// stage into `slot`. Returns false when the entry has no (more) stages for that warp.
-__device__ bool megart_stream_issue(const TaskDesc& d, WarpStream& ws, int warp, int slot);
+// Generated after the task bodies (codegen): sets ws.cursor up for entry d from its type's plan; false when
+// the entry has no stages for compute warp `warp` (or its type has no stream).
+__device__ bool megart_stream_open(const TaskDesc& d, WarpStream& ws, int warp);
+// The stream format's (tasks/dense_common.cuh): issue the next stage of the open entry into `slot`; false
+// when the entry has no more stages for the warp.
+__device__ bool stream_format_next(WarpStream& ws, int warp, int slot);
 
 __device__ __forceinline__ unsigned long long* stream_full(int warp, int slot) {
   return &s_stream.full[warp * kStreamSlots + slot];
@@ -229,8 +233,14 @@ __device__ __forceinline__ bool stream_slot_free(const WarpStream& ws, int w) {
 // (more) stages for it. The caller has made sure the slot is free. Returns false at the end of the queue.
 __device__ __forceinline__ bool stream_step(WarpStream& ws, int warp) {
   if (ws.q >= s_stream.q1) return false;
-  if (megart_stream_issue(s_stream.descs[ws.q], ws, warp, (int)(ws.issued % kStreamSlots))) {
+  if (ws.fresh) {  // the only descriptor read: once per (warp, entry)
+    if (!megart_stream_open(s_stream.descs[ws.q], ws, warp)) {
+      ++ws.q;
+      return true;
+    }
     ws.fresh = 0;
+  }
+  if (stream_format_next(ws, warp, (int)(ws.issued % kStreamSlots))) {
     ++ws.issued;
   } else {
     ++ws.q;

@@ -76,12 +76,13 @@ def _switch(fn: str, args: str, cases: list[str], default: str = "break;") -> st
             "  }\n}\n")
 
 
-def stream_issue(types: list[TaskType]) -> str:
-    """megart_stream_issue(): the producer's per-type step (declared in csrc/weight_stream.cuh)."""
-    cases = [f"    case {t.id}: return megart::dense::stream_issue({t.plan_name}("
-             f"*reinterpret_cast<const {t.struct_name}*>(d.params)), ws, warp, slot);" for t in types]
+def stream_open(types: list[TaskType]) -> str:
+    """megart_stream_open(): where an entry's stages are, per streamed type (declared in
+    csrc/weight_stream.cuh; the producer calls it once per warp and entry)."""
+    cases = [f"    case {t.id}: return megart::dense::stream_open({t.plan_name}("
+             f"*reinterpret_cast<const {t.struct_name}*>(d.params)), ws, warp);" for t in types]
     return ("namespace megart {\n"
-            "__device__ bool megart_stream_issue(const TaskDesc& d, WarpStream& ws, int warp, int slot) {\n"
+            "__device__ __noinline__ bool megart_stream_open(const TaskDesc& d, WarpStream& ws, int warp) {\n"
             "  switch (d.hdr[kHdr_type]) {\n" + "\n".join(cases) + "\n"
             "    default: return false;  // no weight stream: the producer steps over it\n"
             "  }\n}\n}  // namespace megart\n")
@@ -142,7 +143,7 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
         w.add(text, str(path))
     w.add(dispatch(types, streamed))
     if streamed:
-        w.add(stream_issue([t for t in types if t.name in streamed]))
+        w.add(stream_open([t for t in types if t.name in streamed]))
     for rel in ("profiler/spans.cuh", "csrc/worker_loop.cuh"):
         text, path = read_source(rel, root)
         w.add(text, str(path))

@@ -24,7 +24,7 @@ MIN_AUTO_SLOTS = 2             # one slot per warp cannot load a stage while the
 ALIGN = 128
 WARPGROUP = 128                # setmaxnreg works per warpgroup (4 warps)
 REGS_PER_SM = 65536
-PRODUCER_REGS = 48             # the producer loop spills below this (ptxas, Llama-1B kernel); the compute warps get the rest
+PRODUCER_REGS = 40             # the producer loop spills below this (ptxas, Llama-1B kernel); the compute warps get the rest
 MAX_REGS = 256
 # Hang records of the ring (csrc/weight_stream.cuh): the event word holds -1 - slot for a stage that never
 # landed, HANG_SLOT_FREE - slot for a slot the producer waited on that no warp freed.
@@ -53,7 +53,11 @@ class StreamLayout:
         """(compute, producer) registers per thread after setmaxnreg, or None (no hand-over)."""
         if self.producer_threads(threads) != WARPGROUP:
             return None
-        compute = min(MAX_REGS, (REGS_PER_SM - WARPGROUP * PRODUCER_REGS) // threads // 8 * 8)
+        # setmaxnreg moves registers within what the CTA got at launch (every thread at the entry count,
+        # which launch bounds make the most that fits); asking for more than was given blocks forever.
+        block = threads + WARPGROUP
+        at_launch = REGS_PER_SM // block // 8 * 8
+        compute = min(MAX_REGS, (at_launch * block - WARPGROUP * PRODUCER_REGS) // threads // 8 * 8)
         return compute, PRODUCER_REGS
 
     def ring_bytes(self, threads: int) -> int:

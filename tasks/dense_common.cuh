@@ -423,24 +423,49 @@ __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, floa
   combine_split(s, groups, red, epi);
 }
 
+// A plan's rows as the weight stream's producer caches them: group g's two rows start at a + g * step and
+// (g < pair_end ? b + g * step : the first row again).
+struct StreamRows {
+  const char* a;
+  const char* b;
+  long long step;
+  int pair_end;
+};
+
 // ---- the weight stream's dense stage format (csrc/weight_stream.cuh) ------------------------------
 // A streamed dense type's stream is its MatvecPlan walked by StageCursor: for each warp, the same stages
 // in the same order as the ring above and dot2's registers, so every engine gives the same sums. The
 // cursor between two calls lives in the warp's WarpStream (the producer is lane 0 of the warp).
 #if MEGART_STREAM_SLOTS > 0
 static_assert(kStreamSlotBytes == kSlotBytes, "megart/stream.py SLOT_BYTES disagrees with the dense stage size");
-static_assert(sizeof(StageCursor) <= sizeof(WarpStream::cursor), "StageCursor does not fit WarpStream::cursor");
 
-// Producer lane: issue compute warp `warp`'s next stage of `plan` into `slot` (evict-first in L2: each
-// weight byte is read once).
+// What the producer keeps of an open entry: the warp's stage cursor and its rows (StreamRows, above).
+struct DenseStreamState {
+  StreamRows rows;
+  StageCursor st;
+};
+static_assert(sizeof(DenseStreamState) <= sizeof(WarpStream::cursor), "DenseStreamState does not fit WarpStream::cursor");
+
+// Producer lane, once per (warp, entry): the plan's rows and the warp's first stage.
 template <class Plan>
-__device__ __forceinline__ bool stream_issue(const Plan& plan, WarpStream& ws, int warp, int slot) {
-  StageCursor& st = *reinterpret_cast<StageCursor*>(ws.cursor);
-  if (ws.fresh) st = StageCursor(plan.groups, plan.kc, warp);
+__device__ __forceinline__ bool stream_open(const Plan& plan, WarpStream& ws, int warp) {
+  DenseStreamState& s = *reinterpret_cast<DenseStreamState*>(ws.cursor);
+  s.rows = plan.rows.stream_rows();
+  s.st = StageCursor(plan.groups, plan.kc, warp);
+  return s.st.live;
+}
+}  // namespace dense
+
+// Producer lane: issue compute warp `warp`'s next stage of the open entry into `slot` (evict-first in L2:
+// each weight byte is read once).
+__device__ __forceinline__ bool stream_format_next(WarpStream& ws, int warp, int slot) {
+  dense::DenseStreamState& s = *reinterpret_cast<dense::DenseStreamState*>(ws.cursor);
+  dense::StageCursor& st = s.st;
   if (!st.live) return false;
-  const void* w[2];
-  plan.rows(st.s.g, w);
-  const int n = min(kStageChunks, st.s.c1 - st.c);
+  const long long off = (long long)st.s.g * s.rows.step;
+  const char* r0 = s.rows.a + off;
+  const char* r1 = st.s.g < s.rows.pair_end ? s.rows.b + off : r0;
+  const int n = min(dense::kStageChunks, st.s.c1 - st.c);
   unsigned long long* b = stream_full(warp, slot);
   const uint4* dst = reinterpret_cast<const uint4*>(stream_slot(warp, slot));
   mbar_expect(b, 2u * 16u * (unsigned)n);
@@ -449,11 +474,12 @@ __device__ __forceinline__ bool stream_issue(const Plan& plan, WarpStream& ws, i
 #else
   const unsigned long long pol = 0;
 #endif
-  bulk_load_hint(dst, static_cast<const uint4*>(w[0]) + st.c, 16u * n, b, pol);
-  bulk_load_hint(dst + kStageChunks, static_cast<const uint4*>(w[1]) + st.c, 16u * n, b, pol);
+  bulk_load_hint(dst, reinterpret_cast<const uint4*>(r0) + st.c, 16u * n, b, pol);
+  bulk_load_hint(dst + dense::kStageChunks, reinterpret_cast<const uint4*>(r1) + st.c, 16u * n, b, pol);
   st.next();
   return true;
 }
+namespace dense {
 
 // matvec (below) with the weights coming from the stream: same work split, same sums.
 template <bool FP8, class Epi>
@@ -525,6 +551,8 @@ struct PairRows {
     p[0] = w + r * row_bytes;
     p[1] = w + r1 * row_bytes;
   }
+  // The same rows for the weight stream: 2g + 1 < n exactly when g < n / 2.
+  __device__ __forceinline__ StreamRows stream_rows() const { return StreamRows{w, w + row_bytes, 2 * row_bytes, n / 2}; }
 };
 
 __device__ __forceinline__ uint4* xs_of(char* smem) { return reinterpret_cast<uint4*>(smem + kScratchBytes); }

@@ -7,6 +7,9 @@ struct GateUpRows {
     w[0] = p.w_gate + (size_t)g * p.k;
     w[1] = p.w_up + (size_t)g * p.k;
   }
+  __device__ __forceinline__ megart::dense::StreamRows stream_rows() const {  // (the weight stream)
+    return {reinterpret_cast<const char*>(p.w_gate), reinterpret_cast<const char*>(p.w_up), 2ll * p.k, p.n};
+  }
 };
 
 template <class P>

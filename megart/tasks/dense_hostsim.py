@@ -283,7 +283,7 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
     """The host translation unit: prelude, layout, then (like codegen) each type's params struct and
     device source (`overrides`: task name -> replacement source, as PersistentKernel(source_overrides=);
     `defines`: the kernel's macros, e.g. the weight ring's slot count)."""
-    from ..codegen import params_struct, stream_issue   # (upward imports stay local: this module is a test tool)
+    from ..codegen import params_struct, stream_open   # (upward imports stay local: this module is a test tool)
     overrides = overrides or {}
     defines = defines or {}
     macros = "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items()))
@@ -301,7 +301,7 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
             seen.add(text)
             parts.append(f"// ---- {Path(path).name}\n{text}")
     if streamed:
-        parts.append(stream_issue(streamed))
+        parts.append(stream_open(streamed))
     parts.append(RUNNER.replace("%CASES%", "\n".join(_case(t, t in streamed) for t in types)))
     return "\n".join(parts)
 
