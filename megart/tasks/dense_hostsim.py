@@ -48,6 +48,9 @@ PRELUDE = r"""
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#ifndef __noinline__
+#define __noinline__ __attribute__((noinline))
+#endif
 struct HostDim { unsigned x = 0, y = 0, z = 0; };
 inline HostDim threadIdx, blockDim, blockIdx, gridDim;
 
