@@ -359,7 +359,6 @@ __device__ __forceinline__ void stream_producer_role() {
 #ifdef __CUDA_ARCH__
   if (threadIdx.x < MEGART_THREADS + 32) stream_produce();
 #endif
-  cta_sync_all();
 }
 
 // Thread 0, before the instance's wait: who is running, for a hang record naming the ring slot.

@@ -25,8 +25,22 @@ __device__ __forceinline__ void stage_words(TaskDesc& dst, const TaskDesc& src) 
     reinterpret_cast<unsigned long long*>(&dst)[k] = reinterpret_cast<const unsigned long long*>(&src)[k];
 }
 
-// The compute threads' whole launch: worker w's queue [q0, q1).
-__device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
+// The last worker to finish publishes the step, so the next launch runs step + 1 with no host upload.
+// (Thread 0; not after an abort.)
+__device__ __forceinline__ void publish_step(long long* ctrl, long long gen, bool ok) {
+  if (threadIdx.x == 0 && ok) {
+    __threadfence();
+    const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + kCtrl_done), 1ull);
+    if (old == (unsigned long long)gen * gridDim.x - 1) {
+      __threadfence();
+      atomicExch(reinterpret_cast<unsigned long long*>(ctrl + kCtrl_step), (unsigned long long)gen);
+    }
+  }
+}
+
+// The compute threads' whole launch: worker w's queue [q0, q1). Returns the step to publish (0 after an
+// abort) where the caller publishes it.
+__device__ __forceinline__ long long compute(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
                                         unsigned* events, long long* ctrl, long long* spans, long long watchdog_ns,
                                         char* smem, int w, int q0, int q1) {
   static_assert(kDescWords <= MEGART_THREADS, "one thread stages one descriptor word");
@@ -96,18 +110,11 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
     cur = nxt;
   }
 #if MEGART_STREAM_SLOTS > 0
-  cta_sync_all();  // the producer has left (after an abort too: it polls the abort flag)
-  stream_end();    // after an abort, stages may still be landing: none may outlive the CTA
+  return ok ? gen : 0;  // worker() meets the producer, drains the ring, then publishes
+#else
+  publish_step(ctrl, gen, ok);
+  return 0;
 #endif
-  // The last worker to finish publishes the step, so the next launch runs step + 1 with no host upload.
-  if (threadIdx.x == 0 && ok) {
-    __threadfence();
-    const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + kCtrl_done), 1ull);
-    if (old == (unsigned long long)gen * gridDim.x - 1) {
-      __threadfence();
-      atomicExch(reinterpret_cast<unsigned long long*>(ctrl + kCtrl_step), (unsigned long long)gen);
-    }
-  }
 }
 
 __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
@@ -118,11 +125,21 @@ __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const
 #if MEGART_STREAM_SLOTS > 0
   stream_begin(descs, q0, q1, w, ctrl, watchdog_ns, smem);  // every thread (barrier 0)
   // One if/else with a role per branch, so that the register hand-over (setmaxnreg) takes effect.
-  if (kProducerWarp && threadIdx.x >= MEGART_THREADS) {
-    stream_producer_role();  // streams, then meets the compute threads at barrier 0
+  const bool producer = kProducerWarp && threadIdx.x >= MEGART_THREADS;
+  long long gen = 0;
+  if (producer) {
+    stream_producer_role();
   } else {
     stream_compute_regs();
-    compute(descs, queue_start, events, ctrl, spans, watchdog_ns, smem, w, q0, q1);
+    gen = compute(descs, queue_start, events, ctrl, spans, watchdog_ns, smem, w, q0, q1);
+  }
+  // Every thread meets here, at one barrier instruction: the producer has left (after an abort too: it
+  // polls the abort flag). Then stages still landing (after an abort) are waited for: none may outlive
+  // the CTA.
+  cta_sync_all();
+  if (!producer) {
+    stream_end();
+    publish_step(ctrl, gen, gen > 0);
   }
 #else
   compute(descs, queue_start, events, ctrl, spans, watchdog_ns, smem, w, q0, q1);
