@@ -340,6 +340,23 @@ __device__ __forceinline__ void stream_produce() {
 }
 #endif  // __CUDA_ARCH__
 
+// Before the producer of warp w leaves (the launch's end, or an abort): wait until every copy it issued
+// has landed, so none writes shared memory after the CTA exits. Only the last use of each slot can still
+// be in flight (earlier ones were read). Bounded by the watchdog, and not cut short by an abort.
+__device__ __forceinline__ void stream_drain(const WarpStream& ws, int w) {
+#ifdef __CUDA_ARCH__
+  const unsigned first = ws.issued > (unsigned)kStreamSlots ? ws.issued - kStreamSlots : 0u;
+  const unsigned long long start = globaltimer();
+  for (unsigned j = first; j != ws.issued; ++j) {
+    unsigned long long* b = stream_full(w, (int)(j % kStreamSlots));
+    while (!mbar_test(b, (j / kStreamSlots) & 1u) && (long long)(globaltimer() - start) <= s_stream.watchdog_ns) {
+    }
+  }
+#else
+  (void)ws; (void)w;
+#endif
+}
+
 // Registers. A CTA of MEGART_THREADS + 32 threads puts 3 warps on one of the SM's four register-file
 // quarters, which caps every thread at 168 registers. So where the compute threads are whole warpgroups
 // the producer is a warpgroup of its own (MEGART_PRODUCER_THREADS = 128; one warp of it works), which
@@ -357,7 +374,11 @@ __device__ __forceinline__ void stream_producer_role() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MEGART_PRODUCER_REGS));
 #endif
 #ifdef __CUDA_ARCH__
-  if (threadIdx.x < MEGART_THREADS + 32) stream_produce();
+  if (threadIdx.x < MEGART_THREADS + 32) {
+    stream_produce();
+    const int w = threadIdx.x & 31;
+    if (w < kStreamWarps) stream_drain(s_stream.warp[w], w);
+  }
 #endif
 }
 
@@ -392,24 +413,11 @@ __device__ __forceinline__ void stream_release(int warp) {
   __syncwarp();
 }
 
-// Launch end or abort, compute threads, after barrier 0 (the producer has left): lane 0 of each warp
-// waits (bounded) for every stage still landing, so no copy writes shared memory after the CTA exits, and
-// invalidates the barriers. Returns the stages issued but never read: 0 unless the launch was aborted
-// (or the producer and the consumers disagree).
-__device__ __forceinline__ unsigned stream_end() {
+// Launch end (inline production only; the producer warp drains its own): lane 0 of each warp waits for
+// what it issued, as stream_drain does.
+__device__ __forceinline__ void stream_end() {
   const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) != 0 || threadIdx.x >= MEGART_THREADS) return 0;
-  WarpStream& ws = s_stream.warp[warp];
-  const unsigned unread = ws.issued - ws.consumed;
-  for (unsigned j = ws.consumed; j != ws.issued; ++j) {
-    const int slot = (int)(j % kStreamSlots);
-    stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, s_stream.watchdog_ns, -1 - slot, warp, j);
-  }
-  for (int s = 0; s < kStreamSlots; ++s) {
-    mbar_inval(stream_full(warp, s));
-    mbar_inval(stream_empty(warp, s));
-  }
-  return unread;
+  if ((threadIdx.x & 31) == 0) stream_drain(s_stream.warp[warp], warp);
 }
 #endif  // MEGART_STREAM_SLOTS > 0
 

@@ -25,22 +25,8 @@ __device__ __forceinline__ void stage_words(TaskDesc& dst, const TaskDesc& src) 
     reinterpret_cast<unsigned long long*>(&dst)[k] = reinterpret_cast<const unsigned long long*>(&src)[k];
 }
 
-// The last worker to finish publishes the step, so the next launch runs step + 1 with no host upload.
-// (Thread 0; not after an abort.)
-__device__ __forceinline__ void publish_step(long long* ctrl, long long gen, bool ok) {
-  if (threadIdx.x == 0 && ok) {
-    __threadfence();
-    const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + kCtrl_done), 1ull);
-    if (old == (unsigned long long)gen * gridDim.x - 1) {
-      __threadfence();
-      atomicExch(reinterpret_cast<unsigned long long*>(ctrl + kCtrl_step), (unsigned long long)gen);
-    }
-  }
-}
-
-// The compute threads' whole launch: worker w's queue [q0, q1). Returns the step to publish (0 after an
-// abort) where the caller publishes it.
-__device__ __forceinline__ long long compute(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
+// The compute threads' whole launch: worker w's queue [q0, q1).
+__device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
                                         unsigned* events, long long* ctrl, long long* spans, long long watchdog_ns,
                                         char* smem, int w, int q0, int q1) {
   static_assert(kDescWords <= MEGART_THREADS, "one thread stages one descriptor word");
@@ -110,11 +96,17 @@ __device__ __forceinline__ long long compute(const TaskDesc* __restrict__ descs,
     cur = nxt;
   }
 #if MEGART_STREAM_SLOTS > 0
-  return ok ? gen : 0;  // worker() meets the producer, drains the ring, then publishes
-#else
-  publish_step(ctrl, gen, ok);
-  return 0;
+  if (!kProducerWarp) stream_end();  // after an abort, stages may still be landing: none may outlive the CTA
 #endif
+  // The last worker to finish publishes the step, so the next launch runs step + 1 with no host upload.
+  if (threadIdx.x == 0 && ok) {
+    __threadfence();
+    const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + kCtrl_done), 1ull);
+    if (old == (unsigned long long)gen * gridDim.x - 1) {
+      __threadfence();
+      atomicExch(reinterpret_cast<unsigned long long*>(ctrl + kCtrl_step), (unsigned long long)gen);
+    }
+  }
 }
 
 __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
@@ -124,22 +116,14 @@ __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const
   const int q0 = queue_start[w], q1 = queue_start[w + 1];
 #if MEGART_STREAM_SLOTS > 0
   stream_begin(descs, q0, q1, w, ctrl, watchdog_ns, smem);  // every thread (barrier 0)
-  // One if/else with a role per branch, so that the register hand-over (setmaxnreg) takes effect.
-  const bool producer = kProducerWarp && threadIdx.x >= MEGART_THREADS;
-  long long gen = 0;
-  if (producer) {
+  // One if/else with a role per branch, so that the register hand-over (setmaxnreg) takes effect. No
+  // barrier after it: the producer waits for its own copies to land before its threads exit, so none
+  // outlives the CTA.
+  if (kProducerWarp && threadIdx.x >= MEGART_THREADS) {
     stream_producer_role();
   } else {
     stream_compute_regs();
-    gen = compute(descs, queue_start, events, ctrl, spans, watchdog_ns, smem, w, q0, q1);
-  }
-  // Every thread meets here, at one barrier instruction: the producer has left (after an abort too: it
-  // polls the abort flag). Then stages still landing (after an abort) are waited for: none may outlive
-  // the CTA.
-  cta_sync_all();
-  if (!producer) {
-    stream_end();
-    publish_step(ctrl, gen, gen > 0);
+    compute(descs, queue_start, events, ctrl, spans, watchdog_ns, smem, w, q0, q1);
   }
 #else
   compute(descs, queue_start, events, ctrl, spans, watchdog_ns, smem, w, q0, q1);
