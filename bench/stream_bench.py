@@ -24,7 +24,7 @@ for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from llama_decode import Timer, check_once, hbm_bandwidth, log, median, time_megart  # noqa: E402
+from llama_decode import Timer, check_once, hbm_bandwidth, log, median, profiled_steps, time_megart  # noqa: E402
 from megart.models import llama  # noqa: E402
 from megart.models.llama_config import clone_kv  # noqa: E402
 
@@ -40,16 +40,7 @@ def parse_variant(text: str) -> dict:
 
 
 def profile_calls(cfg, W, prefix, nw, defines, steps=6) -> tuple[list, float]:
-    m = llama.LlamaModel(cfg, W, clone_kv(prefix), nw=nw, profile=True, profile_steps=steps, defines=defines)
-    m.reset(cfg.prefill, None if cfg.block else 3)
-    for _ in range(3):
-        m.step()
-    m.sync()
-    m.pk.reset_profile(steps)
-    for _ in range(steps):
-        m.step()
-    m.sync()
-    prof = m.pk.profile()
+    m, prof = profiled_steps(cfg, W, clone_kv(prefix), nw, steps, defines)
     return m.call_breakdown(prof), median(list(prof.step_walls() / 1e3))
 
 

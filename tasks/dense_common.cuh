@@ -281,6 +281,28 @@ struct StageCursor {
   }
 };
 
+// The segment walk of the shared-memory engines (ring and stream): whole row pairs per warp, epi per
+// pair, or one K slice per warp combined across warps, as matvec does. consume_segment(acc) adds the
+// cursor's current segment (its stages, in order) to acc and leaves the cursor on the next one.
+template <class Epi, class Consume>
+__device__ __forceinline__ void walk_segments(const StageCursor& st, int groups, float* red, Epi epi,
+                                              Consume consume_segment) {
+  if (groups >= kWarps) {
+    while (st.live) {
+      const int g = st.s.g;
+      float s[2] = {0.f, 0.f};
+      consume_segment(s);
+      epi(g, warp_sum(s[0]), warp_sum(s[1]));
+    }
+    return;
+  }
+  float s[2] = {0.f, 0.f};
+  if (st.live) consume_segment(s);  // one K slice per warp; empty when kc < split
+  s[0] = warp_sum(s[0]);
+  s[1] = warp_sum(s[1]);
+  combine_split(s, groups, red, epi);
+}
+
 // Lane 0 of the warp: issue the cursor's stage into slot `slot`.
 template <class Rows>
 __device__ __forceinline__ void ring_issue(const StageCursor& st, const Rows& rows, char* smem, int warp, int slot) {
@@ -376,20 +398,7 @@ __device__ __forceinline__ void matvec_ring(int groups, int kc, const uint4* xs,
       st.next();
     }
   };
-  if (groups >= kWarps) {
-    while (st.live) {
-      const int g = st.s.g;
-      float s[2] = {0.f, 0.f};
-      consume_segment(s);
-      epi(g, warp_sum(s[0]), warp_sum(s[1]));
-    }
-    return;
-  }
-  float s[2] = {0.f, 0.f};
-  if (st.live) consume_segment(s);  // one K slice per warp; empty when kc < split
-  s[0] = warp_sum(s[0]);
-  s[1] = warp_sum(s[1]);
-  combine_split(s, groups, red, epi);
+  walk_segments(st, groups, red, epi, consume_segment);
 }
 
 // Matrix-vector over `groups` row pairs: rows(g, ptr) names the two weight rows of group g (the same
@@ -495,20 +504,7 @@ __device__ __forceinline__ void matvec_stream(int groups, int kc, const uint4* x
       st.next();
     }
   };
-  if (groups >= kWarps) {
-    while (st.live) {
-      const int g = st.s.g;
-      float s[2] = {0.f, 0.f};
-      consume_segment(s);
-      epi(g, warp_sum(s[0]), warp_sum(s[1]));
-    }
-    return;
-  }
-  float s[2] = {0.f, 0.f};
-  if (st.live) consume_segment(s);  // one K slice per warp; empty when kc < split
-  s[0] = warp_sum(s[0]);
-  s[1] = warp_sum(s[1]);
-  combine_split(s, groups, red, epi);
+  walk_segments(st, groups, red, epi, consume_segment);
 }
 #endif  // MEGART_STREAM_SLOTS > 0
 

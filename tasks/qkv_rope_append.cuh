@@ -16,6 +16,18 @@
 namespace megart_attn {
 constexpr int kQkvMaxRows = 128;  // 2 * half; hd <= 128
 
+// Pair j's two dot products (rows j and np + j): the per-warp partials in `red`, summed in warp order.
+__device__ __forceinline__ void pair_dots(const float* red, int j, int np, float& lo, float& hi) {
+  constexpr int NWARP = MEGART_THREADS / 32;
+  lo = 0.f;
+  hi = 0.f;
+#pragma unroll
+  for (int w = 0; w < NWARP; ++w) {
+    lo += red[j * NWARP + w];
+    hi += red[(np + j) * NWARP + w];
+  }
+}
+
 template <int KV>
 __device__ __forceinline__ void qkv_rope_append_body(const megart_params_qkv_rope_append& p, char* smem, int pos) {
   constexpr int NT = MEGART_THREADS, NWARP = NT / 32;
@@ -96,12 +108,8 @@ __device__ __forceinline__ void qkv_rope_append_body(const megart_params_qkv_rop
   if (p.mode & 8) {  // uniform over the CTA, so every thread reaches block_sum
     float ss = 0.f;
     for (int j = tid; j < np; j += NT) {
-      float lo = 0.f, hi = 0.f;
-#pragma unroll
-      for (int w = 0; w < NWARP; ++w) {
-        lo += red[j * NWARP + w];
-        hi += red[(np + j) * NWARP + w];
-      }
+      float lo, hi;
+      pair_dots(red, j, np, lo, hi);
       ss = fmaf(lo, lo, fmaf(hi, hi, ss));
     }
     ss = megart::block_sum(ss, scratch);
@@ -109,12 +117,8 @@ __device__ __forceinline__ void qkv_rope_append_body(const megart_params_qkv_rop
   }
 
   for (int j = tid; j < np; j += NT) {
-    float lo = 0.f, hi = 0.f;
-#pragma unroll
-    for (int w = 0; w < NWARP; ++w) {
-      lo += red[j * NWARP + w];
-      hi += red[(np + j) * NWARP + w];
-    }
+    float lo, hi;
+    pair_dots(red, j, np, lo, hi);
     if (p.mode & 8) {
       lo = lo * head_inv * __bfloat162float(p.head_norm[p.pair0 + j]);
       hi = hi * head_inv * __bfloat162float(p.head_norm[half + p.pair0 + j]);

@@ -41,3 +41,16 @@ def cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def cpu_settings():
+    """One intra-op thread: the emulator runs thousands of tiny ops, and OpenMP spin-waits make them
+    crawl on a shared 2-core CI machine. Denormals flushed (softmax tails). Modules that emulate whole
+    models ask for it with pytestmark = pytest.mark.usefixtures("cpu_settings")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    yield
+    torch.set_flush_denormal(False)
+    torch.set_num_threads(threads)

@@ -14,24 +14,11 @@ import pytest
 import torch
 
 from megart.faithful import codes, gates
-from megart.faithful.cli import main
 from megart.faithful.codes import GateError
 from megart.faithful.lock import GpuLock
-from test_faithful import _results, fake_gpu, rec  # noqa: F401  (fake_gpu is a fixture)
+from test_faithful import _no_gpu, _results, fake_gpu, rec, run_cli  # noqa: F401  (_no_gpu, fake_gpu: fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _no_gpu(monkeypatch, tmp_path):
-    monkeypatch.setenv("MEGART_FAITHFUL_FORCE_CPU", "1")
-    monkeypatch.setenv("MEGART_LOCK_DIR", str(tmp_path / "lock"))
-
-
-def run_cli(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def strict_lines(text: str) -> list[dict]:

@@ -34,14 +34,7 @@ MARGIN = 0.1          # greedy prompts: smallest top-2 logit gap / logit std alo
 GREEDY_PROMPT = {"llama_g3": 10, "llama_g7": 65, "qwen3": 173}   # prompt seeds meeting MARGIN (searched once)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cpu_settings():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    yield
-    torch.set_flush_denormal(False)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cpu_settings")
 
 
 class Case:

@@ -22,16 +22,7 @@ NW = 16
 STEPS = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cpu_settings():
-    """One intra-op thread: the emulator runs thousands of tiny ops, and OpenMP spin-waits make them
-    crawl on a shared 2-core CI machine. Denormals flushed (softmax tails)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    yield
-    torch.set_flush_denormal(False)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cpu_settings")
 
 
 # checkpoint features on the seeded path: GQA group 3, head_dim 128, untied head, llama3 RoPE scaling,
