@@ -3,6 +3,7 @@ from .errors import (CompileError, ConfigError, DeviceError, GraphError, HangErr
                      RegistryError, ResidencyError, ScheduleError)
 from .kernel import PersistentKernel
 from .registry import Cost, Param, TaskType, ptr, register_task, scalar
+from . import tasks as _builtin_tasks  # noqa: E402,F401  (registers the built-in task types, before any user type)
 
 __all__ = ["PersistentKernel", "register_task", "TaskType", "Param", "ptr", "scalar", "Cost", "MegartError",
            "GraphError", "ConfigError", "InputError", "RegistryError", "ScheduleError", "CompileError",

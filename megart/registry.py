@@ -191,9 +191,7 @@ def _validate(t: TaskType, builtin: bool) -> None:
 
 def register(t: TaskType, *, builtin: bool = False) -> TaskType:
     """Add a task type. Re-registering an identical declaration is a no-op; a clash is an error."""
-    if not builtin:
-        _load_builtins()    # so a user type that clashes with a built-in fails here, not at a later lookup
-    _validate(t, builtin)
+    _validate(t, builtin)   # (the built-ins are in already: megart/__init__ registers them first)
     old = _BY_NAME.get(t.name)
     if old is not None:
         if (old.id, old.source, old.params, old.prewait, old.prefetch, old.stream) == (
@@ -218,7 +216,6 @@ def get(task) -> TaskType:
     """Look a task type up by name or numeric id."""
     if isinstance(task, TaskType):
         return task
-    _load_builtins()
     table, kind = (_BY_ID, "id") if isinstance(task, int) else (_BY_NAME, "name")
     try:
         return table[task]
@@ -227,19 +224,8 @@ def get(task) -> TaskType:
 
 
 def all_types() -> list[TaskType]:
-    _load_builtins()
     return sorted(_BY_ID.values(), key=lambda t: t.id)
 
 
 def names_by_id() -> dict[int, str]:
     return {t.id: t.name for t in all_types()}
-
-
-_loaded = False
-
-
-def _load_builtins() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from . import tasks  # noqa: F401  (registers the built-in task types)

@@ -16,7 +16,7 @@ def check_body(p, b, say) -> dict:
     {"body_checked": bool, "body_why": str, "body_correctness": dict (when checked)}."""
     from ..errors import MegartError
     from ..tasks import dense_hostsim
-    from .run import check_output, result_of
+    from .correctness import check_output, result_of
     if p.ttype.id not in {t.id for t in dense_hostsim.dense_types()}:
         return _unchecked(f"the host simulation runs the dense task bodies only; {p.ttype.name!r} is not one")
     cxx = os.environ.get("CXX", "g++")

@@ -14,34 +14,7 @@ options), because a model-level check can hide a wrong projection whose error th
 """
 from __future__ import annotations
 
-import importlib
-
-from .codes import UNKNOWN_CONTEXT, GateError
-
-ISOLATED = "isolated"
-
-
-def _llama_configs() -> dict:
-    try:
-        cfgmod = importlib.import_module("megart.models.llama_config")
-    except Exception:
-        return {}
-    return dict(getattr(cfgmod, "CONFIGS", {}))
-
-
-def known() -> list[str]:
-    """Model context names (llama_<config>) that this checkout can build."""
-    if not _llama_available():
-        return []
-    return [f"llama_{k}" for k in _llama_configs()]
-
-
-def _llama_available() -> bool:
-    try:
-        importlib.import_module("megart.models.llama")
-        return True
-    except Exception:
-        return False
+from .context_names import ISOLATED, known, unknown  # noqa: F401  (the names a CLI lists and refuses)
 
 
 def get(name: str):
@@ -50,8 +23,3 @@ def get(name: str):
         return None
     from . import model_context
     return model_context.resolve(name)
-
-
-def unknown(name: str, why: str) -> GateError:
-    avail = ", ".join([ISOLATED] + known())
-    return GateError(UNKNOWN_CONTEXT, f"--context {name!r}: {why}. Available contexts: {avail}.")

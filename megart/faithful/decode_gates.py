@@ -19,7 +19,7 @@ import torch
 
 from .. import registry
 from ..errors import RegistryError
-from .gates import GateInputs, GateSpec, generator
+from .gate_spec import GateInputs, GateSpec, generator
 
 BF16 = torch.bfloat16
 LLAMA_1B = dict(d=2048, ffn=8192, n_q=32, n_kv=8, hd=64, ctx=2048, headroom=1024)

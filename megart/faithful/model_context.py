@@ -28,7 +28,7 @@ import torch
 from ..errors import GraphError
 from ..tensors import TensorRef
 from .codes import BAD_SHAPE, DEVICE, INCORRECT, GateError
-from .context import _llama_configs, unknown
+from .context_names import _llama_configs, unknown
 
 COS_MIN = 0.99
 

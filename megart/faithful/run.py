@@ -22,10 +22,10 @@ from ..nvtx_ranges import ranged
 from . import candidate as candmod
 from . import gates
 from .jsonsafe import strict
+from .correctness import COS_MIN, check_output, result_of  # noqa: F401  (also used by callers of run)
 from .codes import BAD_SHAPE, COMPILE, DEVICE, INCORRECT, INTERNAL, NO_GPU, RESIDENCY, USAGE, GateError
 from .stats import pool_runs, task_timings
 
-COS_MIN = 0.99
 SCHEMA = 1
 BUILD_DEVICE = "cuda"   # where the timed path builds (tests swap in "cpu" with a simulated kernel)
 
@@ -160,32 +160,6 @@ def compile_kernel(p: Prepared, b: Built) -> None:
         raise GateError(INTERNAL, f"the gate's schedule does not verify (a megart bug): {exc}") from None
     except DeviceError as exc:
         raise GateError(DEVICE, f"loading the kernel failed: {exc}") from None
-
-
-def result_of(gi: gates.GateInputs, tensors: dict) -> torch.Tensor:
-    """The checked quantity from the output tensors ({name: tensor}, device or host copies)."""
-    return gi.result(tensors) if gi.result is not None else tensors[gi.output]
-
-
-@ranged("faithful.check_output")
-def check_output(got: torch.Tensor, gi: gates.GateInputs) -> dict:
-    exp = gi.expected.detach().to("cpu", torch.float64)
-    g = got.detach().to("cpu").to(torch.float64).reshape(exp.shape)
-    if gi.live is not None:
-        exp, g = gi.live(exp), gi.live(g)
-    g, exp = g.reshape(-1), exp.reshape(-1)
-    finite = bool(torch.isfinite(g).all())
-    ne, ng = float(exp.norm()), float(g.norm())
-    if ne == 0 and ng == 0:
-        cos = 1.0
-    elif ne == 0 or ng == 0 or not finite:
-        cos = 0.0 if finite else float("nan")
-    else:
-        cos = float(torch.dot(g, exp) / (ng * ne))
-    rel = float((g - exp).norm() / max(ne, 1e-300)) if finite else float("nan")
-    ok = finite and cos >= COS_MIN
-    return {"cos": cos, "rel_err": rel, "max_abs_err": float((g - exp).abs().max()) if finite else float("nan"),
-            "live": gi.live_desc, "elements": int(g.numel()), "finite": finite, "threshold": COS_MIN, "pass": ok}
 
 
 def _correctness_error(p: Prepared, corr: dict, where: str) -> GateError:
