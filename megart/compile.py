@@ -110,7 +110,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def _options(arch: str) -> dict:
-    return dict(arch=arch, std="c++17", ptxas_options=["-v"], name=FILE_NAME)
+    """The NVRTC options, built once for both the cache key and the compile (include paths too: another
+    header set is another kernel)."""
+    return dict(arch=arch, std="c++17", ptxas_options=["-v"], name=FILE_NAME, include_path=include_paths())
 
 
 def cache_key(src: Source, arch: str) -> str:
@@ -213,8 +215,7 @@ def compile_source(src: Source, arch: str, use_cache: bool = True) -> Compiled:
             self.parts.append(s)
 
     log = _Log()
-    opts = ProgramOptions(arch=arch, std="c++17", ptxas_options=["-v"], name=FILE_NAME,
-                          include_path=include_paths())
+    opts = ProgramOptions(**_options(arch))
     try:
         prog = Program(src.text, "c++", opts)
         obj = prog.compile("cubin", logs=log)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-FP8_MAX = 448.0
+from ..geometry.dense import FP8_MAX  # the e4m3 format the fp8 tasks read
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..geometry.dense import EXPERT_ROWS  # group_gemm_m1: each expert's tile of `a` / `y` rows (row 0 live)
 from ..registry import Cost, TaskType, ptr, register, scalar
 from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS, STAGE_SMEM, aligned,
                            check_k, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub)
@@ -18,8 +19,6 @@ from .tiling import even_tiles, require
 # GEMV types whose weights stream through the shared-memory ring (tasks/dense_common.cuh); not
 # group_gemm_m1, whose rows depend on the routing, an input that exists only after its wait.
 RING = dict(prewait=True, stream=True, smem_for=smem_for, defines_for=defines_for, smem_bytes=STAGE_SMEM)  # (smem_bytes: ring off)
-
-EXPERT_ROWS = 128   # group_gemm_m1: each expert's tile of `a` / `y` rows; row 0 of it is the live one
 
 
 def _norm(p):
