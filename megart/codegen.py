@@ -133,6 +133,8 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
         text, path = read_source(rel, root)
         w.add(text, str(path))
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared task headers, once each
+        if registry.header_prelude(rel):
+            w.add(registry.header_prelude(rel), f"megart (constants of {rel})")
         text, path = read_source(overrides.get(rel, rel), root)
         w.add(text, str(path))
     for t in types:

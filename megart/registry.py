@@ -229,3 +229,28 @@ def all_types() -> list[TaskType]:
 
 def names_by_id() -> dict[int, str]:
     return {t.id: t.name for t in all_types()}
+
+
+# Constants a shared device header uses, declared once in Python (beside the code that reads them there)
+# and emitted by codegen (and the host simulation) right before the header: header path -> (C++ namespace,
+# {name: int value}).
+_HEADER_CONSTANTS: dict[str, tuple[str, dict]] = {}
+
+
+def header_constants(header: str, namespace: str, constants: dict) -> None:
+    """Declare `constants` (name -> int) for the shared header `header`, in C++ namespace `namespace`."""
+    for name, value in constants.items():
+        if not _IDENT.match(name) or isinstance(value, bool) or not isinstance(value, int):
+            raise RegistryError(f"header constant {name!r}={value!r} for {header}: need an identifier and an int")
+    _HEADER_CONSTANTS[header] = (namespace, dict(constants))
+
+
+def header_prelude(header: str) -> str:
+    """The C++ declarations of `header`'s constants ('' when it declares none)."""
+    if header not in _HEADER_CONSTANTS:
+        return ""
+    namespace, constants = _HEADER_CONSTANTS[header]
+    body = "\n".join(f"constexpr int {k} = {v};" for k, v in constants.items())
+    opens = "".join(f"namespace {n} {{ " for n in namespace.split("::"))
+    closes = "}" * len(namespace.split("::"))
+    return f"// generated from megart's declarations: the constants {header} uses\n{opens}\n{body}\n{closes}\n"

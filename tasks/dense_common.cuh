@@ -17,11 +17,12 @@
 namespace megart {
 namespace dense {
 
-constexpr int kFlagResidual = 1;  // gemv_m1 / gemv_m1_fp8: y = W x + residual
-constexpr int kFlagNorm = 2;      // RMSNorm prologue on x with norm_weight
-constexpr int kFlagLogits = 4;    // lm_head_argmax: also store the f32 logits
+// kFlagResidual (gemv_m1 / gemv_m1_fp8: y = W x + residual), kFlagNorm (RMSNorm prologue on x with
+// norm_weight), kFlagLogits (lm_head_argmax: also store the f32 logits) and kScratchBytes (block
+// reductions: 32 floats + 32 ints; x is staged after it) come from megart/tasks/dense_common.py, emitted
+// just before this header.
 constexpr int kWarps = MEGART_THREADS / 32;
-constexpr int kScratchBytes = 256;  // block reductions: 32 floats + 32 ints; x is staged after it
+static_assert(kScratchBytes >= 32 * 4 + 32 * 4, "block reductions need 32 floats + 32 ints");
 constexpr int kUnroll = 8;          // 16-byte weight loads in flight per row per lane
 constexpr int kNoIndex = 0x7fffffff;
 // L2 prefetch budget per instance. A whole slice is not prefetched: 132 workers x (current + next

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..registry import header_constants
 from ..tensors import TensorRef, as_ref
 from .tiling import require
 
@@ -15,12 +16,15 @@ def source(name: str) -> str:
     """The device body of dense task type `name`: one file per type."""
     return f"tasks/{name}.cuh"
 
-# flag bits, mirrored by megart::dense::kFlag* in tasks/dense_common.cuh
+# flag bits the bodies test, and the block-reduction scratch (x is staged right after it): declared here,
+# emitted into the kernel as megart::dense::kFlag* / kScratchBytes before tasks/dense_common.cuh
 FLAG_RESIDUAL = 1
 FLAG_NORM = 2
 FLAG_LOGITS = 4
 
-SCRATCH_BYTES = 256            # block reductions; x is staged right after it
+SCRATCH_BYTES = 256
+header_constants(HEADERS[0], "megart::dense", {"kFlagResidual": FLAG_RESIDUAL, "kFlagNorm": FLAG_NORM,
+                                                "kFlagLogits": FLAG_LOGITS, "kScratchBytes": SCRATCH_BYTES})
 MAX_K = 16384                  # longest x a GEMV-type body stages in shared memory (bf16)
 STAGE_SMEM = SCRATCH_BYTES + 2 * MAX_K   # 33,024 B: under the 48 KiB default dynamic limit
 ALIGN_BYTES = 16               # every vector-loaded operand starts on a 16-byte boundary

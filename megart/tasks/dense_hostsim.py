@@ -295,7 +295,7 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
     streamed = [t for t in types if t.stream and t.name not in overrides] \
         if int(defines.get("MEGART_STREAM_SLOTS", 0)) > 0 else []
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared headers once, as codegen does
-        parts.append(read_source(overrides.get(rel, rel))[0])
+        parts.append(registry.header_prelude(rel) + read_source(overrides.get(rel, rel))[0])
     seen = set()
     for t in types:
         parts.append(params_struct(t, t in streamed))
