@@ -1,4 +1,6 @@
-// Helpers task bodies share: vector loads, warp/block reductions, L2 prefetch.
+// Helpers task bodies share: vector loads, warp/block reductions, L2 prefetch. The host simulation
+// (megart/tasks/dense_hostsim.py) compiles this same file with g++: the reductions as they are, over its
+// fibers' shuffles and barriers; the PTX-only pieces have host forms below (#ifndef __CUDA_ARCH__).
 #pragma once
 namespace megart {
 
@@ -25,6 +27,7 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+#ifdef __CUDA_ARCH__
 // L2 cache policies (sm_80+): evict-first for data streamed once, evict-last for data fetched ahead.
 __device__ __forceinline__ unsigned long long l2_evict_first() {
   unsigned long long pol;
@@ -53,5 +56,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long by
     bytes -= chunk;
   }
 }
+#else
+__device__ __forceinline__ unsigned long long l2_evict_first() { return 0; }
+__device__ __forceinline__ unsigned long long l2_evict_last() { return 0; }
+// Host simulation: what the last instance's prefetch asked for (tests check the cap and the slice head).
+inline unsigned long long prefetched = 0;
+inline void prefetch_l2(const void*, unsigned long long bytes) { prefetched += bytes & ~15ull; }
+#endif
 
 }  // namespace megart

@@ -162,27 +162,6 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 
-namespace megart {  // host twins of csrc/tile_helpers.cuh
-inline float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-inline float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-inline float block_sum(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
-  v = warp_sum(v);
-  __syncthreads();
-  if (lane == 0) scratch[wid] = v;
-  __syncthreads();
-  v = lane < nwarp ? scratch[lane] : 0.f;
-  return warp_sum(v);
-}
-inline unsigned long long prefetched = 0;     // bytes asked for by the last instance's prefetch
-inline void prefetch_l2(const void*, unsigned long long bytes) { prefetched += bytes & ~15ull; }
-}  // namespace megart
 """
 
 RUNNER = r"""
@@ -291,7 +270,7 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
     defines = defines or {}
     macros = "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items()))
     parts = [f"#define MEGART_THREADS {threads}\n{macros}", PRELUDE, layout_header(),
-             read_source("csrc/weight_stream.cuh")[0]]
+             read_source("csrc/tile_helpers.cuh")[0], read_source("csrc/weight_stream.cuh")[0]]
     streamed = [t for t in types if t.stream and t.name not in overrides] \
         if int(defines.get("MEGART_STREAM_SLOTS", 0)) > 0 else []
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared headers once, as codegen does
