@@ -1,9 +1,12 @@
 """Imports inside megart/ run one way: no module imports (at the top or inside a function) a module that
-imports it back, directly or through others. Read with the standard library's ast, nothing is imported."""
+imports it back, directly or through others, and none imports from a higher floor than its own in
+docs/ARCHITECTURE.md's floor list. Read with the standard library's ast; nothing is imported."""
 import ast
+import re
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "megart"
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "megart"
 
 
 def _modules() -> dict:
@@ -75,3 +78,28 @@ def test_no_import_cycle_inside_megart():
 def test_the_checker_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _floors() -> dict:
+    """{top-level unit (module or subpackage of megart, or 'megart' for its __init__): floor}."""
+    block = re.search(r"```floors\n(.*?)```", (ROOT / "docs" / "ARCHITECTURE.md").read_text(), re.S).group(1)
+    out = {}
+    for line in block.strip().splitlines():
+        floor, _, names = line.partition(":")
+        out.update({n.strip(): int(floor) for n in names.split(",")})
+    return out
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_architecture_floor_list_matches_the_imports():
+    floors, mods = _floors(), _modules()
+    missing = sorted({_unit(m) for m in mods} - set(floors))
+    assert not missing, f"docs/ARCHITECTURE.md's floor list misses {missing}"
+    upward = sorted({f"{_unit(m)} (floor {floors[_unit(m)]}) imports {_unit(d)} (floor {floors[_unit(d)]})"
+                     for m, deps in _edges(mods).items() for d in deps
+                     if _unit(d) != _unit(m) and floors[_unit(d)] > floors[_unit(m)]})
+    assert not upward, "imports from a higher floor: " + "; ".join(upward)

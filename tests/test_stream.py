@@ -9,7 +9,7 @@ from megart import codegen, registry, stream
 from megart.config import KernelConfig
 from megart.errors import GraphError, ResidencyError
 from megart.geometry import dense as geo
-from megart.tasks import dense_hostsim
+from megart.emulate import hostsim as dense_hostsim
 from test_tasks_dense import STREAM, _broken
 
 DENSE = ("gemv_m1", "gemv_m1_fp8", "gate_up_silu", "lm_head_argmax")

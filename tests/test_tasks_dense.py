@@ -1,6 +1,6 @@
 """Dense decode task types on the CPU. Each test builds a PersistentKernel(device="cpu"), compiles it
 with NVRTC for sm_90a (0 spill bytes), then runs it twice: the reference emulator (each task's Python
-reference, `emu`) and the host simulation of the CUDA bodies themselves (megart.tasks.dense_hostsim,
+reference, `emu`) and the host simulation of the CUDA bodies themselves (megart.emulate.hostsim,
 `dev`: the dense bodies compiled with g++, one CTA as 256 fibers in random order). Both are gated
 against the fp32 whole-op references of megart.geometry.dense: cosine >= 0.99 AND relative error
 <= the per-task tolerance of docs/TASKS.md (tol >= 2x E, <= D/10), and against each other. Each
@@ -15,7 +15,7 @@ import megart
 from megart import GraphError
 from megart.geometry import dense as geo
 from megart.tasks import dense as dense_tasks
-from megart.tasks import dense_hostsim
+from megart.emulate import hostsim as dense_hostsim
 
 TOL = geo.TASK_TOL   # per task: docs/TASKS.md, "Dense tasks" (E and D measured at the shapes below)
 NW = 132

@@ -1,5 +1,5 @@
 """On a CPU, run the candidate's CUDA body itself where megart can: the dense task bodies compile
-for the host (megart.tasks.dense_hostsim: one CTA as fibers). The emulator alone runs each task's
+for the host (megart.emulate.hostsim: one CTA as fibers). The emulator alone runs each task's
 Python reference, so without this a wrong body that compiles would look like a pass."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def check_body(p, b, say) -> dict:
     """Run built-and-compiled gate kernel `b` (CPU device) through the host simulation. Returns
     {"body_checked": bool, "body_why": str, "body_correctness": dict (when checked)}."""
     from ..errors import MegartError
-    from ..tasks import dense_hostsim
+    from ..emulate import hostsim as dense_hostsim
     from .correctness import check_output, result_of
     if p.ttype.id not in {t.id for t in dense_hostsim.dense_types()}:
         return _unchecked(f"the host simulation runs the dense task bodies only; {p.ttype.name!r} is not one")
@@ -30,4 +30,4 @@ def check_body(p, b, say) -> dict:
         return _unchecked(f"the host simulation could not run the body: {first}")
     corr = check_output(result_of(b.inputs, out), b.inputs)
     corr["where"] = "cpu host simulation of the CUDA body"
-    return {"body_checked": True, "body_why": "ran through megart.tasks.dense_hostsim", "body_correctness": corr}
+    return {"body_checked": True, "body_why": "ran through megart.emulate.hostsim", "body_correctness": corr}

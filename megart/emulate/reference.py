@@ -6,9 +6,9 @@ import random
 
 import torch
 
-from .errors import GraphError
-from .schedule import Schedule
-from .verify import simulate
+from ..errors import GraphError
+from ..schedule import Schedule
+from ..verify import simulate
 
 
 def host_copies(tensors: dict) -> dict:
