@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import megart
 from megart.bandwidth import read_floor, time_ms
 from megart.geometry.attention import attention_m1, attention_scratch, ref_attention_decode
-from megart.tasks.attention import attention_chunks
+from megart.geometry.attention import attention_chunks
 
 GEMV_CASES = [("gemv_m1", 8192, 2048, 0.85), ("gemv_m1", 2048, 8192, 0.85), ("lm_head_argmax", 128256, 2048, 0.90)]
 ATTN_CASES = [(2048, 0.80), (32768, 0.80)]          # kv_len; Llama-1B heads: 32 q / 8 kv, hd 64

@@ -21,7 +21,7 @@ import megart
 from megart.errors import GraphError
 from megart.geometry.attention import (attention_m1, attention_scratch, qkv_m1, ref_attention_decode,
                                        ref_qkv_rope_append, rope_tables)
-from megart.tasks.attention import attention_chunks, chunk_range
+from megart.geometry.attention import attention_chunks, chunk_range
 
 TOL_QKV = 1e-2
 TOL_ATTN = 1e-2

@@ -205,7 +205,7 @@ def _partials_merge(part_o, part_ml, n_kv, chunks, G, hd):
 
 def _attn_build(shape, *, device, seed, decode_m1=False, nw=None, tiles=None):
     ga = _geo("attention")
-    from ..tasks.attention import attention_chunks
+    from ..geometry.attention import attention_chunks
     n_q, n_kv, hd, L = shape
     max_seq = L + LLAMA_1B["headroom"]
     pos = L - 1                                          # kv_len = pos + 1 = L real positions
@@ -239,7 +239,7 @@ def attention_decode() -> GateSpec | None:
 # ---- attention: attention_merge ----------------------------------------------------------------------
 def _merge_build(shape, *, device, seed, decode_m1=False, nw=None):
     ga = _geo("attention")
-    from ..tasks.attention import chunk_range
+    from ..geometry.attention import chunk_range
     n_q, n_kv, hd, C = shape
     L = LLAMA_1B["ctx"] + 1
     q, kc, vc = ga.attention_m1(n_q, n_kv, hd, L, L, seed)

@@ -1,5 +1,6 @@
 """Attention decode geometry: RoPE tables, seeded QKV weights and prefilled KV caches (randn, never zeros),
-and whole-op fp32 PyTorch references for qkv_rope_append and attention_decode (+ attention_merge).
+whole-op fp32 PyTorch references for qkv_rope_append and attention_decode (+ attention_merge), and the
+KV chunking (how many chunks per kv head, which positions a chunk covers) the task, models and benches share.
 
 Conventions: w_qkv rows are q heads, then k heads, then v heads ([(n_q + 2 n_kv) * hd, d]); caches are
 [n_kv, max_seq, hd]; q head i attends with kv head i // (n_q // n_kv); RoPE is rotate-half (pairs (i, i + hd/2)).
@@ -99,3 +100,31 @@ def ref_attention_decode(q, k_cache, v_cache, kv_len: int, scale: float | None =
     s = torch.einsum("hgd,htd->hgt", qf, k) * scale
     p = torch.softmax(s, dim=-1)
     return torch.einsum("hgt,htd->hgd", p, v).reshape(-1).contiguous()
+
+
+# ---- KV chunking (sizing helpers the task declaration, the models and the benches share) -------------------
+def auto_tiles(tiles, nw):
+    """tiles <= 1 (the default) means: spread over the grid (nw instances)."""
+    return nw if tiles is None or tiles <= 1 else int(tiles)
+
+
+def attention_chunks(n_kv: int, max_seq: int, nw: int, chunk: int = 0, chunks: int | None = None,
+                     tiles: int = 1) -> int:
+    """The number of KV chunks per kv head attention_decode uses for these arguments (size the partial
+    buffers [n_kv, chunks, group, hd] and [n_kv, chunks, group, 2] with it)."""
+    if chunk:
+        return -(-max_seq // chunk)
+    if chunks:
+        return int(chunks)
+    return max(1, auto_tiles(tiles, nw) // n_kv)
+
+
+def chunk_range(chunk: int, cidx: int, nchunks: int, kv_len: int) -> tuple[int, int]:
+    """Positions [lo, hi) chunk `cidx` covers at this kv_len (static when chunk > 0, else dynamic)."""
+    if chunk > 0:
+        lo, hi = cidx * chunk, cidx * chunk + chunk
+    else:
+        cl = -(-kv_len // nchunks)
+        lo, hi = cidx * cl, cidx * cl + cl
+    hi = min(hi, kv_len)
+    return lo, max(lo, hi)

@@ -38,7 +38,7 @@ import math
 import torch
 
 from .. import PersistentKernel
-from ..tasks.attention import attention_chunks
+from ..geometry.attention import attention_chunks
 from .llama_config import (CONFIGS, LlamaConfig, LlamaWeights, block_8b, clone_kv, config, llama_1b,  # noqa: F401
                            llama_1b_fp8, make_inputs, make_kv_cache, make_weights, relerr, rope_tables, tiny)
 

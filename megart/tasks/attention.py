@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+from ..geometry.attention import attention_chunks, auto_tiles, chunk_range
 from ..registry import Cost, TaskType, ptr, register, scalar
 from ..tensors import as_ref
 from .shapes import check_shape
@@ -45,11 +46,6 @@ def _aligned16(ref, name, task):
 def _check_caches(task, kr, vr, n_kv, ms, hd):
     for r, name in ((kr, "k_cache"), (vr, "v_cache")):
         check_shape(task, r, name, (n_kv, ms, hd), "[n_kv, max_seq, hd]")
-
-
-def _auto_tiles(tiles, nw):
-    """tiles <= 1 (the default) means: spread over the grid (nw instances)."""
-    return nw if tiles is None or tiles <= 1 else int(tiles)
 
 
 def _wide(view, n):
@@ -112,7 +108,7 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
             head_norm[name] = r
 
     heads = [("q", h) for h in range(n_q)] + [("k", h) for h in range(n_kv)] + [("v", h) for h in range(n_kv)]
-    total = _auto_tiles(tiles, nw)
+    total = auto_tiles(tiles, nw)
     if head_norm:
         # a normed head needs all hd dots in one instance: q and k heads whole, v heads share the rest
         v_subs = _sub_counts(total - n_q - n_kv, n_kv, half) if kv_refs == "partition" else [1] * n_kv
@@ -222,17 +218,6 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
     return qr, kr, vr, group, ms
 
 
-def attention_chunks(n_kv: int, max_seq: int, nw: int, chunk: int = 0, chunks: int | None = None,
-                     tiles: int = 1) -> int:
-    """The number of KV chunks per kv head attention_decode uses for these arguments (size the partial
-    buffers [n_kv, chunks, group, hd] and [n_kv, chunks, group, 2] with it)."""
-    if chunk:
-        return -(-max_seq // chunk)
-    if chunks:
-        return int(chunks)
-    return max(1, _auto_tiles(tiles, nw) // n_kv)
-
-
 def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, n_kv, hd, max_seq=None, chunk=0,
                 chunks=None, scale=None):
     T = "attention_decode"
@@ -271,17 +256,6 @@ def head_subgroups(group: int) -> list[tuple[int, int]]:
     Each piece reads the kv head's K/V itself, so groups over 8 stream it twice."""
     n = -(-group // ATTN_SUBGROUP)
     return [(a, b - a) for a, b in even_tiles(group, n)]
-
-
-def chunk_range(chunk: int, cidx: int, nchunks: int, kv_len: int) -> tuple[int, int]:
-    """Positions [lo, hi) chunk `cidx` covers at this kv_len (static when chunk > 0, else dynamic)."""
-    if chunk > 0:
-        lo, hi = cidx * chunk, cidx * chunk + chunk
-    else:
-        cl = -(-kv_len // nchunks)
-        lo, hi = cidx * cl, cidx * cl + cl
-    hi = min(hi, kv_len)
-    return lo, max(lo, hi)
 
 
 def _kv_len(pos: int, max_seq: int) -> int:

@@ -10,7 +10,7 @@ import torch
 
 import megart
 from megart.geometry.attention import ref_attention_decode, ref_qkv_rope_append
-from megart.tasks.attention import chunk_range
+from megart.geometry.attention import chunk_range
 
 import test_tasks_attention as cpu
 from test_tasks_attention import SHAPES, TOL_ATTN, TOL_QKV, build_attention, build_qkv, check
