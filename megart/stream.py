@@ -6,8 +6,8 @@ instance), so its depth depends on the whole kernel. Little's law sets what it m
 us per SM (4.3 TB/s over 132 SMs) and ~1-1.5 us of loaded latency, >= ~50 KB per SM in flight keeps
 the SM's share of HBM busy; 8 warps x 2-3 slots x 8 KB = 128-192 KB also covers a dependency wait.
 The stream is opt-in: MEGART_STREAM_SLOTS=N (a kernel macro) gives N slots per warp, "auto" sizes the
-ring from the shared memory left; unset or 0 keeps the register engine (measured faster on the Llama
-step so far: bench/RESULTS.md)."""
+ring from the shared memory left; unset or 0 keeps the register engine (the Llama step measured at
+parity with it, not faster, so far: bench/RESULTS.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +24,8 @@ MIN_AUTO_SLOTS = 2             # one slot per warp cannot load a stage while the
 ALIGN = 128
 WARPGROUP = 128                # setmaxnreg works per warpgroup (4 warps)
 REGS_PER_SM = 65536
-PRODUCER_REGS = 40             # the producer loop spills below this (ptxas, Llama-1B kernel); the compute warps get the rest
+PRODUCER_REGS = 40             # the producer's registers after setmaxnreg (the Llama-1B kernel compiles
+#                                without spills at 40 / 232); the compute warps get what is left
 MAX_REGS = 256
 # Hang records of the ring (csrc/weight_stream.cuh): the event word holds -1 - slot for a stage that never
 # landed, HANG_SLOT_FREE - slot for a slot the producer waited on that no warp freed.
