@@ -147,7 +147,7 @@ struct StreamShared {
   unsigned long long empty[kStreamWarps * kStreamSlots];
   const TaskDesc* descs;
   char* smem;  // the dynamic shared memory (the slots start at kStreamOffset)
-  int q0, q1;  // this worker's queue
+  int q1;  // end of this worker's queue
   int worker, queue_pos, type, instance;  // the instance running now (for a hang record)
   long long* ctrl;
   long long watchdog_ns;
@@ -172,10 +172,9 @@ __device__ __forceinline__ char* stream_slot(int warp, int slot) {
   return s_stream.smem + kStreamOffset + (size_t)(warp * kStreamSlots + slot) * kStreamSlotBytes;
 }
 
-// Spin until phase `parity` of barrier b completes. Bounded: leaves (false) once any watchdog fired, and
-// past `limit_ns` records a hang (event `ev`, have = the warp's stage number, need = the warp).
-__device__ __forceinline__ bool stream_wait(unsigned long long* b, unsigned parity, long long limit_ns, int ev,
-                                            int warp, unsigned stage) {
+// Compute warp: spin until phase `parity` of barrier b completes. Bounded: leaves (false) once any watchdog
+// fired, and past the watchdog records a hang (event `ev`, have = the warp's stage number, need = the warp).
+__device__ __forceinline__ bool stream_wait(unsigned long long* b, unsigned parity, int ev, int warp, unsigned stage) {
   if (mbar_test(b, parity)) return true;
 #ifdef __CUDA_ARCH__
   const unsigned long long start = globaltimer();
@@ -183,8 +182,8 @@ __device__ __forceinline__ bool stream_wait(unsigned long long* b, unsigned pari
     if (mbar_test(b, parity)) return true;
     if ((iter & 63) == 0) {
       if (ld_relaxed(s_stream.ctrl + kCtrl_abort) != 0) return false;
-      if ((long long)(globaltimer() - start) > limit_ns) {
-        if ((threadIdx.x & 31) == 0 || threadIdx.x >= MEGART_THREADS)
+      if ((long long)(globaltimer() - start) > s_stream.watchdog_ns) {
+        if ((threadIdx.x & 31) == 0)
           raise_hang(s_stream.ctrl, WaitSite{s_stream.worker, s_stream.queue_pos, s_stream.type, s_stream.instance},
                      ev, stage, (unsigned)warp);
         return false;
@@ -192,7 +191,7 @@ __device__ __forceinline__ bool stream_wait(unsigned long long* b, unsigned pari
     }
   }
 #else
-  (void)limit_ns; (void)ev; (void)warp; (void)stage;
+  (void)ev; (void)warp; (void)stage;
   megart_host_fault("weight stream: a wait on a phase that never completes (consumers and producer disagree)");
   return false;
 #endif
@@ -270,7 +269,6 @@ __device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int 
   if (threadIdx.x == 0) {
     s_stream.descs = descs;
     s_stream.smem = smem;
-    s_stream.q0 = q0;
     s_stream.q1 = q1;
     s_stream.worker = worker;
     s_stream.ctrl = ctrl;
@@ -394,7 +392,7 @@ __device__ __forceinline__ void stream_note(int queue_pos, int type, int instanc
 __device__ __forceinline__ const char* stream_acquire(int warp) {
   const unsigned j = s_stream.warp[warp].consumed;
   const int slot = (int)(j % kStreamSlots);
-  stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, s_stream.watchdog_ns, -1 - slot, warp, j);
+  stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, -1 - slot, warp, j);
   return stream_slot(warp, slot);
 }
 
