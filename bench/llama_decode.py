@@ -221,10 +221,9 @@ def check_once(cfg, m, W, prefix) -> float:
     return llama.relerr(out, ref.step(inp, cfg.prefill))
 
 
-def profile_megart(cfg, W, kv, nw, out_dir: Path, steps: int = 8) -> dict:
-    from megart.trace import plot_timeline
-    from megart.trace_calls import calls_of, plot_calls
-    m = llama.LlamaModel(cfg, W, kv, nw=nw, profile=True, profile_steps=steps)
+def profiled_steps(cfg, W, kv, nw, steps: int, defines: dict | None = None):
+    """A profiled build run for `steps` steps after 3 warm-up steps: (model, its Profile)."""
+    m = llama.LlamaModel(cfg, W, kv, nw=nw, profile=True, profile_steps=steps, defines=defines)
     m.reset(cfg.prefill, None if cfg.block else 3)
     for _ in range(3):
         m.step()
@@ -233,7 +232,13 @@ def profile_megart(cfg, W, kv, nw, out_dir: Path, steps: int = 8) -> dict:
     for _ in range(steps):
         m.step()
     m.sync()
-    prof = m.pk.profile()
+    return m, m.pk.profile()
+
+
+def profile_megart(cfg, W, kv, nw, out_dir: Path, steps: int = 8) -> dict:
+    from megart.trace import plot_timeline
+    from megart.trace_calls import calls_of, plot_calls
+    m, prof = profiled_steps(cfg, W, kv, nw, steps)
     table = prof.table()
     calls = m.call_breakdown(prof)
     walls = prof.step_walls() / 1e3

@@ -39,12 +39,19 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def profile_calls(cfg, W, prefix, nw, defines, steps=6) -> tuple[list, float]:
+def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = None) -> tuple[list, float]:
     m, prof = profiled_steps(cfg, W, clone_kv(prefix), nw, steps, defines)
+    if spans is not None:  # the raw records, with each instance's call label, for offline timelines
+        import numpy as np
+        labels = list(m.groups)
+        call_of = np.full(len(m.pk.graph.instances), -1, dtype=np.int64)
+        for ci, lb in enumerate(labels):
+            call_of[m.groups[lb].uids] = ci
+        np.savez_compressed(spans, records=prof.records, call_of=call_of, labels=np.array(labels))
     return m.call_breakdown(prof), median(list(prof.step_walls() / 1e3))
 
 
-def run_variant(cfg, W, prefix, nw, defines, steps, bw, profile=True) -> dict:
+def run_variant(cfg, W, prefix, nw, defines, steps, bw, profile=True, spans: Path | None = None) -> dict:
     timer = Timer(torch.device("cuda"))
     m = llama.LlamaModel(cfg, W, clone_kv(prefix), nw=nw, defines=defines)
     lay = m.pk.stream_layout()
@@ -58,7 +65,7 @@ def run_variant(cfg, W, prefix, nw, defines, steps, bw, profile=True) -> dict:
     rec["x_floor"] = rec["megart_us"] / rec["floor_us"]
     del m
     if profile:
-        rec["calls"], rec["profiled_step_wall_us"] = profile_calls(cfg, W, prefix, nw, defines)
+        rec["calls"], rec["profiled_step_wall_us"] = profile_calls(cfg, W, prefix, nw, defines, spans=spans)
     torch.cuda.empty_cache()
     return rec
 
@@ -78,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nw", type=int, default=None)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--spans", default=None, help="folder for each variant's raw span records (.npz)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         log("stream_bench times the GPU; no CUDA device here")
@@ -91,8 +99,13 @@ def main(argv=None) -> int:
         prefix = llama.make_kv_cache(cfg, 1, torch.device("cuda"))
         for v in args.variants.split(";"):
             defines = parse_variant(v)
+            spans = None
+            if args.spans:
+                Path(args.spans).mkdir(parents=True, exist_ok=True)
+                tag = "_".join(f"{k}-{v_}" for k, v_ in defines.items()) or "default"
+                spans = Path(args.spans) / f"{name}_{tag}.npz"
             try:
-                rec = run_variant(cfg, W, prefix, args.nw, defines, args.steps, bw, not args.no_profile)
+                rec = run_variant(cfg, W, prefix, args.nw, defines, args.steps, bw, not args.no_profile, spans)
             except Exception as exc:   # one variant that does not build or run must not hide the others
                 rec = dict(defines=defines, error=f"{type(exc).__name__}: {exc}")
                 log(f"[{name}] {v or 'default'}: {rec['error']}")
