@@ -4,8 +4,9 @@ the HBM floor, all measured in this one process (the floor and torch.compile run
     PYTHONPATH=. python bench/llama_decode.py [--configs 1b,1b_fp8,1b_32k,block8b] [--steps 300]
                                               [--out out/llama_decode] [--compile-modes max-autotune]
 
-Checkpoint shapes (issue 10): --configs 3b,8b,qwen3_0.6b,qwen3_8b (Llama-3.2-3B: GQA group 3; Llama-3.1-8B:
-untied head; Qwen3-0.6B / 8B: per-head q/k norm), each one launch per step like the others.
+Checkpoint shapes (issue 10): --configs 3b,8b,qwen3_0.6b,qwen3_8b,g7_7b (Llama-3.2-3B: GQA group 3;
+Llama-3.1-8B: untied head; Qwen3-0.6B / 8B: per-head q/k norm; g7_7b: a Qwen2.5-7B-sized Llama, 28/4 heads,
+GQA group 7), each one launch per step like the others.
 
 Per config, on seeded random weights with a prefilled KV cache:
 * floor     = bytes one step must read (weights + KV at the timed positions) / the HBM read bandwidth
@@ -317,7 +318,8 @@ def bench_config(name: str, args, bw: float, device, out_dir: Path, compile_left
     res["megart_build_s"] = round(time.time() - t, 1)
     res["model"] = m.describe()
     res["kernel"] = dict(registers=m.pk.report.registers, spill_bytes=m.pk.report.spill_bytes,
-                         instances=len(m.pk.graph.instances), events=len(m.pk.schedule.events))
+                         instances=len(m.pk.graph.instances), events=len(m.pk.schedule.events),
+                         cache_hit=m.pk.compiled.cache_hit)
     log(f"[{name}] {m.describe()} (built in {res['megart_build_s']} s)")
     res["relerr_first_step"] = check_once(cfg, m, W, prefix)
     n = args.steps if device.type == "cuda" else 2
@@ -329,6 +331,8 @@ def bench_config(name: str, args, bw: float, device, out_dir: Path, compile_left
     res["tok_s"] = 1e6 / res["megart_us"]
     res["x_floor"] = res["megart_us"] / res["floor_us"]
     res["achieved_tb_s"] = res["bytes_per_step"] / (res["megart_us"] * 1e-6) / 1e12
+    g = res.get("graphed_us", float("nan"))
+    res["vs_graphed"] = g / res["megart_us"] if g == g else None      # > 1: megart is faster
     if device.type == "cuda":
         log(f"[{name}] megart {res['megart_us']:.1f} us/step, {res['x_floor']:.3f} x floor")
     else:

@@ -14,10 +14,10 @@
 // shared memory.
 // An instance holds G <= 8 q heads (any G in 1..8, each its own instantiation); larger GQA groups are split
 // over several instances by the splitter.
-// Streaming: group < 8 with the full register budget copies K/V through a per-thread shared-memory ring
+// Streaming: every group with the full register budget copies K/V through a per-thread shared-memory ring
 // (cp.async, RS stages of RU positions, RS - 1 stages in flight while one is computed; the first stages
-// are issued before q is read). Group 8, the low-register builds and a ring of 0 bytes (two CTAs per SM,
-// 512+ threads, or MEGART_ATTN_RING_BYTES=0) load K/V into registers, U positions per batch.
+// are issued before q is read). The low-register builds and a ring of 0 bytes (two CTAs per SM, 512+
+// threads, or MEGART_ATTN_RING_BYTES=0) load K/V into registers, U positions per batch.
 // (shared helpers: tasks/attention_common.cuh)
 
 namespace megart_attn {
@@ -140,10 +140,11 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   constexpr int RPOS = kAttnRingBytes / (NT * 32);  // positions (K + V: 32 bytes) per thread the ring holds
   constexpr int RU = RPOS >= 16 ? 4 : (RPOS >= 8 ? 2 : 1);
   constexpr int RS = RPOS / RU > 4 ? 4 : RPOS / RU;
-  constexpr bool kRing = !kLowRegs && G < 8 && RS >= 2;
-  // bf16 per lane per row. The ring path keeps 16-byte vectors for every G < 8 (5..7 included: its few
-  // positions per batch leave the registers for q and o). The register path of G >= 5 (and G = 8 always)
-  // uses 8-byte vectors, halving q and o, as G = 8 did alone before.
+  constexpr bool kRing = !kLowRegs && G <= 8 && RS >= 2;
+  // bf16 per lane per row. The ring path keeps 16-byte vectors for every G (5..8 included: its few
+  // positions per batch leave the registers for q and o; G = 8 joined it when the register path's 8-byte
+  // vectors, a whole warp per hd-128 row, measured 0.22 of the KV floor). The register path of G >= 5
+  // uses 8-byte vectors, halving q and o.
   constexpr int VEC = kRing ? 8 : (G > 4 ? 4 : 8);
   constexpr int LPR = HD / VEC;        // lanes per K/V row
   constexpr int RPW = 32 / LPR;        // rows (positions) per warp per load

@@ -57,6 +57,12 @@ def test_single_file_and_shards_load_the_same_weights(folder, tmp_path):
         v = ck.get("model.layers.1.self_attn.v_proj.weight")
     assert torch.equal(a.weights.layers[1]["wqkv"][:q.shape[0]], q)
     assert torch.equal(a.weights.layers[1]["wqkv"][-v.shape[0]:], v)
+    # a truncated shard is named, and the process goes on loading
+    shard = sorted(sharded.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-64])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: not a readable safetensors file"):
+        from_pretrained(sharded, **KW)
+    assert from_pretrained(folder, **KW).cfg.group == 3
 
 
 def test_expected_tensors_cover_the_checkpoint(folder):
@@ -99,6 +105,7 @@ def test_wrong_shape_missing_tensor_and_bias(folder, tmp_path):
                                                                   t["model.norm.weight"].to(torch.int16)))
     with pytest.raises(CheckpointError, match="'model.norm.weight' is I16"):
         from_pretrained(d, **KW)
+    assert from_pretrained(folder, **KW).cfg.group == 3      # the process is still usable
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.999, 0.001])

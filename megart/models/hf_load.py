@@ -1,8 +1,10 @@
 """Weights of a Hugging Face Llama / Qwen3 folder (safetensors) -> LlamaWeights on the target device.
 
 Every tensor is checked against the config from the files' headers alone (names, shapes, dtypes) before
-anything is allocated; then each is read on its own with `safetensors.safe_open` straight onto the device
-and converted there, so no full CPU copy of the model ever exists. The folder is only read.
+anything is allocated; then each is read on its own onto the device and converted there. safetensors
+opens and validates every file; the bytes are read with plain file reads through a bounded host buffer
+(megart.models.safetensors_read says why not through safetensors' memory map), so host memory holds no
+copy of the model, nor of any whole tensor, on the way to the GPU. The folder is only read.
 """
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ import torch
 
 from .hf_config import CheckpointError
 from .llama_config import FP8_LINEARS, LlamaConfig, LlamaWeights, quantize_fp8
+from .safetensors_read import DTYPES, TensorReader, read_header
 
 __all__ = ["Checkpoint", "StateDict", "check_tensors", "expected_tensors", "load_weights"]
 
-# safetensors dtype names megart converts to bf16 on load
-READABLE = {"BF16", "F16", "F32"}
+READABLE = set(DTYPES)          # safetensors dtype names megart converts to bf16 on load
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -46,18 +48,20 @@ class Checkpoint:
     """The safetensors files of one folder, opened for reading (use as a context manager), and which file
     holds each tensor: model.safetensors, or the shards listed by model.safetensors.index.json."""
 
-    def __init__(self, folder, device="cpu"):
+    def __init__(self, folder, device="cpu", reader: TensorReader | None = None):
         self.folder = Path(folder)
         self.device = str(device)
+        self.reader = reader if reader is not None else TensorReader(device)
         self._stack = ExitStack()
-        self._files: dict[str, object] = {}
+        self._files: dict[str, object] = {}      # file name -> open binary file (plain reads)
+        self._entries: dict[str, dict] = {}      # file name -> {tensor name: Entry}
         self.where: dict[str, str] = {}          # tensor name -> file name
         index, single = self.folder / INDEX, self.folder / SINGLE
         try:
             if index.is_file():
                 self._read_index(index)
             elif single.is_file():
-                for name in self._open(SINGLE).keys():
+                for name in self._open(SINGLE):
                     self.where[name] = SINGLE
             else:
                 raise CheckpointError(f"{self.folder}: neither {SINGLE} nor {INDEX} (megart reads safetensors "
@@ -78,22 +82,31 @@ class Checkpoint:
             self.where[name] = file
         for file in sorted(set(weight_map.values())):
             listed = {n for n, f in weight_map.items() if f == file}
-            missing = listed - set(self._open(file).keys())
+            missing = listed - set(self._open(file))
             if missing:
                 raise CheckpointError(f"{self.folder / file}: lacks {sorted(missing)[0]!r}, which {INDEX} "
                                       "places there")
 
-    def _open(self, file: str):
+    def _open(self, file: str) -> dict:
+        """{tensor name: Entry} of one file, opened once: safetensors validates it (header, sizes), then a
+        plain binary handle stays open for the reads."""
         if file not in self._files:
             from safetensors import safe_open
+            path = self.folder / file
             try:
-                self._files[file] = self._stack.enter_context(safe_open(str(self.folder / file), framework="pt",
-                                                                        device=self.device))
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    names = set(f.keys())
             except Exception as e:   # safetensors raises its own error types (truncated header, bad JSON)
-                raise CheckpointError(f"{self.folder / file}: not a readable safetensors file ({e})") from None
-        return self._files[file]
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+            entries = read_header(path)
+            if set(entries) != names:
+                raise CheckpointError(f"{path}: header names disagree with safetensors' reading of it")
+            self._entries[file] = entries
+            self._files[file] = self._stack.enter_context(open(path, "rb", buffering=0))
+        return self._entries[file]
 
     def close(self) -> None:
+        self.reader.close()
         self._stack.close()
         self._files.clear()
 
@@ -117,22 +130,17 @@ class Checkpoint:
 
     def meta(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype name) from the file header."""
-        sl = self._open(self._file_of(name)).get_slice(name)
-        return tuple(sl.get_shape()), sl.get_dtype()
+        e = self._open(self._file_of(name))[name]
+        return e.shape, e.dtype
 
     def check(self, cfg: LlamaConfig) -> None:
         check_tensors(cfg, self)
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor on the device, bf16 (converted there)."""
+        """One tensor on the device, bf16 (converted there; host memory holds at most the reader's buffers)."""
         file = self._file_of(name)
-        try:
-            t = self._open(file).get_tensor(name)
-        except Exception as e:   # a header that promises more bytes than a truncated file holds
-            raise CheckpointError(f"{self.folder / file}: cannot read tensor {name!r} ({e})") from None
-        # on the CPU a bf16 tensor can alias the file's memory map at any byte offset: copy it into an
-        # allocation of its own (aligned for the 16-byte loads, and independent of the file)
-        return t.to(torch.bfloat16, copy=t.device.type == "cpu")
+        entry = self._open(file)[name]
+        return self.reader.read(self._files[file], self.folder / file, name, entry)
 
 
 class StateDict:

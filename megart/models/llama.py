@@ -92,9 +92,8 @@ def _check_input(cfg: LlamaConfig, inp, n=None) -> None:
 
 def attention_defines(cfg: LlamaConfig) -> dict:
     """Compile only the attention_decode bodies this shape runs (its head size, its instance widths)."""
-    from ..tasks.attention import head_subgroups
-    mask = sum(1 << n for n in {n for _, n in head_subgroups(cfg.group)})
-    return {"MEGART_ATTN_HD_ONLY": cfg.hd, "MEGART_ATTN_GROUP_MASK": hex(mask)}
+    from ..tasks.attention import body_defines
+    return body_defines(cfg.hd, cfg.group)
 
 
 class LlamaModel:

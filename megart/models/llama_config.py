@@ -159,6 +159,14 @@ def qwen3(size: str = "0.6b", context: int = 2048, headroom: int = 1024) -> Llam
                        prefill=context, max_seq=_max_seq(context, headroom), **shape)
 
 
+def llama_g7(context: int = 2048, headroom: int = 1024) -> LlamaConfig:
+    """A GQA group-7 Llama (LlamaForCausalLM, no biases) with Qwen2.5-7B's heads and width: 28 layers, d 3584,
+    28/4 heads, hd 128, vocab 152064, untied head, theta 1e6; ffn 14336 (Qwen2.5-7B's 18944 is over the
+    GEMVs' longest input, MAX_K = 16384, which config_from_hf refuses)."""
+    return LlamaConfig(name="llama_g7", layers=28, d=3584, ffn=14336, n_q=28, n_kv=4, hd=128, vocab=152064,
+                       tied=False, eps=1e-6, theta=1e6, prefill=context, max_seq=_max_seq(context, headroom))
+
+
 CONFIGS = {
     "1b": lambda: llama_1b(2048),
     "1b_32k": lambda: llama_1b(32768),
@@ -169,6 +177,7 @@ CONFIGS = {
     "8b": llama_8b,
     "qwen3_0.6b": lambda: qwen3("0.6b"),
     "qwen3_8b": lambda: qwen3("8b"),
+    "g7_7b": llama_g7,
     "tiny": tiny,
     "tiny_fp8": lambda: tiny(wdtype="fp8"),
     "tiny_block": lambda: tiny(vocab=0),

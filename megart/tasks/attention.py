@@ -292,6 +292,13 @@ def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, **_):
     return Cost(bytes=kv_bytes + n_q * hd * 2, flops=4 * n_q * kv_len * hd)
 
 
+def body_defines(hd: int, group: int) -> dict:
+    """Macros that compile only the attention_decode bodies one shape runs: its head size and the instance
+    widths its GQA group splits into (the models' kernels and the benches that stand in for them)."""
+    mask = sum(1 << n for n in {n for _, n in head_subgroups(group)})
+    return {"MEGART_ATTN_HD_ONLY": hd, "MEGART_ATTN_GROUP_MASK": hex(mask)}
+
+
 def attn_ring_bytes(cfg) -> int:
     """attention_decode's K/V ring in a kernel built with `cfg` (codegen.KernelConfig): MEGART_ATTN_RING_BYTES
     when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under 512 threads (the body's

@@ -87,7 +87,7 @@ def test_attention_gpu(cuda, hd, max_seq, kv_len, chunk):
             torch.testing.assert_close(ml[:, c], eml[:, c], rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("group", [1, 2, 3, 7, 8])
 def test_attention_groups_gpu(cuda, group):
     sh = dict(n_q=8 * group, n_kv=8, hd=128, d=4096)
     pk, t, (q, k, v), C = cpu.attention_only(sh, 4096, 3001, seed=group, dev="cuda", nw=sms())
