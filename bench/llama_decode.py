@@ -222,9 +222,9 @@ def check_once(cfg, m, W, prefix) -> float:
     return llama.relerr(out, ref.step(inp, cfg.prefill))
 
 
-def profiled_steps(cfg, W, kv, nw, steps: int, defines: dict | None = None):
+def profiled_steps(cfg, W, kv, nw, steps: int, defines: dict | None = None, **model_kw):
     """A profiled build run for `steps` steps after 3 warm-up steps: (model, its Profile)."""
-    m = llama.LlamaModel(cfg, W, kv, nw=nw, profile=True, profile_steps=steps, defines=defines)
+    m = llama.LlamaModel(cfg, W, kv, nw=nw, profile=True, profile_steps=steps, defines=defines, **model_kw)
     m.reset(cfg.prefill, None if cfg.block else 3)
     for _ in range(3):
         m.step()

@@ -30,6 +30,8 @@ from megart.models.llama_config import clone_kv  # noqa: E402
 
 
 def parse_variant(text: str) -> dict:
+    """"A=1,B" -> {A: "1", B: "1"}: MEGART_* names are kernel macros; `deps` (explicit / infer) is the
+    model's dependency mode."""
     if text.strip() in ("", "default"):
         return {}
     out = {}
@@ -39,8 +41,20 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = None) -> tuple[list, float]:
-    m, prof = profiled_steps(cfg, W, clone_kv(prefix), nw, steps, defines)
+MODEL_OPTIONS = ("deps",)
+
+
+def split_variant(variant: dict) -> tuple[dict, dict]:
+    """(kernel macros, LlamaModel keyword options)."""
+    unknown = [k for k in variant if not k.startswith("MEGART_") and k not in MODEL_OPTIONS]
+    if unknown:
+        raise SystemExit(f"stream_bench: {unknown} are neither MEGART_* macros nor model options {MODEL_OPTIONS}")
+    return ({k: v for k, v in variant.items() if k.startswith("MEGART_")},
+            {k: v for k, v in variant.items() if k in MODEL_OPTIONS})
+
+
+def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = None, model_kw=None) -> tuple[list, float]:
+    m, prof = profiled_steps(cfg, W, clone_kv(prefix), nw, steps, defines, **(model_kw or {}))
     if spans is not None:  # the raw records, with each instance's call label, for offline timelines
         import numpy as np
         labels = list(m.groups)
@@ -51,11 +65,12 @@ def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = Non
     return m.call_breakdown(prof), median(list(prof.step_walls() / 1e3))
 
 
-def run_variant(cfg, W, prefix, nw, defines, steps, bw, profile=True, spans: Path | None = None) -> dict:
+def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Path | None = None) -> dict:
+    defines, model_kw = split_variant(variant)
     timer = Timer(torch.device("cuda"))
-    m = llama.LlamaModel(cfg, W, clone_kv(prefix), nw=nw, defines=defines)
+    m = llama.LlamaModel(cfg, W, clone_kv(prefix), nw=nw, defines=defines, **model_kw)
     lay = m.pk.stream_layout()
-    rec = dict(defines=defines, registers=m.pk.report.registers, spill_bytes=m.pk.report.spill_bytes,
+    rec = dict(defines=defines, model=model_kw, registers=m.pk.report.registers, spill_bytes=m.pk.report.spill_bytes,
                smem_bytes=m.pk.smem_bytes(), stream_slots=lay.slots, stream_types=list(lay.types))
     rec["relerr_first_step"] = check_once(cfg, m, W, prefix)
     us = time_megart(m, timer, steps)
@@ -65,7 +80,8 @@ def run_variant(cfg, W, prefix, nw, defines, steps, bw, profile=True, spans: Pat
     rec["x_floor"] = rec["megart_us"] / rec["floor_us"]
     del m
     if profile:
-        rec["calls"], rec["profiled_step_wall_us"] = profile_calls(cfg, W, prefix, nw, defines, spans=spans)
+        rec["calls"], rec["profiled_step_wall_us"] = profile_calls(cfg, W, prefix, nw, defines, spans=spans,
+                                                                        model_kw=model_kw)
     torch.cuda.empty_cache()
     return rec
 

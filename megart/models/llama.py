@@ -24,12 +24,12 @@ read-after-write on one producer call, i.e. one event per wait, and nothing need
 written once, first (pos_advance), so its dozens of readers depend on one tiny instance instead of a
 step-end write that would have to wait for all of them.
 
-Dependencies are declared explicitly (`after=`, the transitive reduction of the data flow) by default.
-deps="infer" builds the same graph with the graph's byte-range inference instead (about a second for the
-1B graph); its subset events let attention for a kv head start once that head's QKV instances land.
-tests/test_llama.py checks on the reduced model that every inferred dependency is implied by the
-explicit ones and that both produce the same bits; on the H200 the full 1B logits were bit-identical and
-the step 1.6% faster (bench/RESULTS.md).
+Dependencies are inferred from the byte ranges each call reads and writes (deps="infer", the default,
+about a second for the 1B graph): its subset events let attention for a kv head start once that head's
+QKV instances land, and a merge once its kv head's chunks do. deps="explicit" declares them instead
+(`after=`, the transitive reduction of the data flow: call-level events). tests/test_llama.py checks on
+the reduced model that every inferred dependency is implied by the explicit ones and that both produce
+the same bits; on the H200 the inferred graph measured 1.2-1.6% faster per step (bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ class LlamaModel:
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights | None = None, kv: list | None = None, *,
                  device=None, nw: int | None = None, seed: int = 0, kv_seed: int = 1, init: str = "random",
-                 tiles: dict | None = None, deps: str = "explicit", kv_refs: str = "partition",
+                 tiles: dict | None = None, deps: str = "infer", kv_refs: str = "partition",
                  logits: bool = True, profile: bool = False, profile_steps: int = 16, threads: int = 256,
                  watchdog_s: float | None = None, compile: bool = True, sm_count: int | None = None,
                  defines: dict | None = None):
