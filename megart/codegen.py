@@ -140,7 +140,7 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
     for t in types:
         if t.id in registry.NO_BODY:
             continue
-        w.add(params_struct(t, t.name in streamed), f"megart/tasks ({t.name})")
+        w.add(params_struct(t, t.name in streamed), f"tasks/ ({t.name} declaration)")
         text, path = read_source(overrides.get(t.name, t.source), root)
         w.add(text, str(path))
     w.add(dispatch(types, streamed))
