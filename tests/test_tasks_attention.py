@@ -23,8 +23,8 @@ from megart.geometry.attention import (attention_m1, attention_scratch, qkv_m1, 
                                        ref_qkv_rope_append, rope_tables)
 from megart.geometry.attention import attention_chunks, chunk_range
 
-TOL_QKV = 1e-2
-TOL_ATTN = 1e-2
+TOL_QKV = megart.registry.get("qkv_rope_append").tol            # TaskType.tol, measured as above
+TOL_ATTN = megart.registry.get("attention_decode").tol
 COS_MIN = 0.99
 NW = 132
 THETA = 500000.0
