@@ -282,6 +282,8 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
         if text not in seen:                  # (the text, not its path, so the cache key is path-free)
             seen.add(text)
             parts.append(f"// ---- {Path(path).name}\n{text}")
+        if t.generated:                       # (as codegen: derived from the declaration, after the body)
+            parts.append(t.generated(t))
     if streamed:
         parts.append(stream_open(streamed))
     parts.append(RUNNER.replace("%CASES%", "\n".join(_case(t, t in streamed) for t in types)))
