@@ -187,7 +187,7 @@ ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
 
 
 register(TaskType(
-    name="qkv_rope_append", id=64, tol=1e-2, gate="megart.faithful.decode_gates:qkv_rope_append",
+    name="qkv_rope_append", id=64, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:qkv_rope_append",
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
             ptr("cos", "f32", "weight"), ptr("sin", "f32", "weight"), ptr("pos", "i32", "in"),
             ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"), ptr("head_norm", "bf16", "weight"),
@@ -312,7 +312,7 @@ def _attn_defines(cfg) -> dict:
 
 
 register(TaskType(
-    name="attention_decode", id=65, tol=1e-2, gate="megart.faithful.decode_gates:attention_decode",
+    name="attention_decode", id=65, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:attention_decode",
     params=(ptr("q", "bf16", "in"), ptr("k_cache", "bf16", "in"), ptr("v_cache", "bf16", "in"),
             ptr("pos", "i32", "in"), ptr("part_o", "f32", "out"), ptr("part_ml", "f32", "out"),
             scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("max_seq"),
@@ -375,7 +375,7 @@ def _merge_cost(*, n_q, n_kv, hd, chunks, **_):
 
 
 register(TaskType(
-    name="attention_merge", id=66, tol=1e-2, gate="megart.faithful.decode_gates:attention_merge",
+    name="attention_merge", id=66, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:attention_merge",
     params=(ptr("out", "bf16", "out"), ptr("part_o", "f32", "in"), ptr("part_ml", "f32", "in"),
             scalar("nheads"), scalar("group"), scalar("hd"), scalar("chunks"), scalar("g0")),
     source="tasks/attention_merge.cuh", headers=ATTENTION_HEADERS, reference=_merge_ref, split=_merge_split, cost=_merge_cost,
