@@ -1,8 +1,4 @@
 """megart: an LLM decode step (or any graph of GPU tasks) as one persistent CUDA megakernel."""
-from .errors import (CompileError, ConfigError, DeviceError, GraphError, HangError, InputError, MegartError,
-                     RegistryError, ResidencyError, ScheduleError)
-from .kernel import PersistentKernel
-from .registry import Cost, Param, TaskType, ptr, register_task, scalar
 from .sources import TASKS_DIR as _TASKS_DIR
 
 
@@ -25,7 +21,12 @@ def _load_builtin_tasks():
     return module
 
 
-tasks = _load_builtin_tasks()
+tasks = _load_builtin_tasks()   # first, so every later import of megart.tasks.* finds it
+
+from .errors import (CompileError, ConfigError, DeviceError, GraphError, HangError, InputError,  # noqa: E402
+                     MegartError, RegistryError, ResidencyError, ScheduleError)
+from .kernel import PersistentKernel  # noqa: E402
+from .registry import Cost, Param, TaskType, ptr, register_task, scalar  # noqa: E402
 
 __all__ = ["PersistentKernel", "register_task", "TaskType", "Param", "ptr", "scalar", "Cost", "MegartError",
            "GraphError", "ConfigError", "InputError", "RegistryError", "ScheduleError", "CompileError",

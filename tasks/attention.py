@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from ..geometry.attention import attention_chunks, auto_tiles, chunk_range
-from ..registry import Cost, TaskType, ptr, register, scalar
+from ..registry import Cost, TaskType, header_constants, ptr, register, scalar
 from ..tensors import as_ref
 from .shapes import check_shape
 from .tiling import even_tiles, require
@@ -32,9 +32,16 @@ ATTN_HD = (64, 128)
 ATTN_MAX_GROUP = 16       # n_q / n_kv; an instance serves at most ATTN_SUBGROUP of them
 ATTN_SUBGROUP = 8         # q heads one attention_decode instance holds in registers (its template width)
 QKV_MAX_D = 8192
+QKV_MAX_ROWS = max(ATTN_HD)  # rows of one qkv_rope_append instance (2 * half; hd <= 128)
+ATTN_STAGE_WARPS = 8      # warps attention_decode merges per shared-memory round
 MODE_ROPE, MODE_NORM, MODE_CACHE, MODE_HEAD_NORM = 1, 2, 4, 8
-SMEM_QKV = 4 * (128 * 32 + 32)              # per-warp row partials for up to 128 rows x 32 warps, scratch
-SMEM_ATTN_MERGE = 4 * 8 * 8 * (128 + 2)     # 8 warps x group 8 x (hd 128 + m, l) merge stage
+SMEM_QKV = 4 * (QKV_MAX_ROWS * 32 + 32)     # per-warp row partials for up to 128 rows x 32 warps, scratch
+SMEM_ATTN_MERGE = 4 * ATTN_STAGE_WARPS * ATTN_SUBGROUP * (max(ATTN_HD) + 2)   # [warp][group][hd + m, l]
+ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
+# declared here, emitted into the kernel as megart_attn::k* before tasks/attention_common.cuh
+header_constants(ATTENTION_HEADERS[0], "megart_attn", {
+    "kModeRope": MODE_ROPE, "kModeNorm": MODE_NORM, "kModeCache": MODE_CACHE, "kModeHeadNorm": MODE_HEAD_NORM,
+    "kQkvMaxD": QKV_MAX_D, "kQkvMaxRows": QKV_MAX_ROWS, "kAttnStageWarps": ATTN_STAGE_WARPS})
 ATTN_RING = 64 * 1024                       # attention_decode's K/V ring (MEGART_ATTN_RING_BYTES), any thread count
 SMEM_ATTN = max(SMEM_ATTN_MERGE, ATTN_RING)  # the merge reuses the ring's bytes once it is drained
 
@@ -182,8 +189,6 @@ def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, **_):
     nbytes = wr.count * 2 + d * 2 + (d * 2 if norm_weight is not None else 0) + n_q * hd * 2 + 2 * n_kv * hd * 2
     return Cost(bytes=nbytes, flops=2 * wr.count)
 
-
-ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
 
 
 register(TaskType(

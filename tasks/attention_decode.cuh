@@ -21,7 +21,7 @@
 // (shared helpers: tasks/attention_common.cuh)
 
 namespace megart_attn {
-constexpr int kAttnStageWarps = 8;  // warps merged per shared-memory round
+// kAttnStageWarps: warps merged per shared-memory round (generated from tasks/attention.py)
 // K/V ring per CTA, set by megart/tasks/attention.py (attn_ring_bytes; 0: the register path for every group).
 #ifndef MEGART_ATTN_RING_BYTES
 #define MEGART_ATTN_RING_BYTES 0
