@@ -22,7 +22,7 @@
 
 namespace megart_attn {
 // kAttnStageWarps: warps merged per shared-memory round (generated from tasks/attention.py)
-// K/V ring per CTA, set by megart/tasks/attention.py (attn_ring_bytes; 0: the register path for every group).
+// K/V ring per CTA, set by tasks/attention.py (attn_ring_bytes; 0: the register path for every group).
 #ifndef MEGART_ATTN_RING_BYTES
 #define MEGART_ATTN_RING_BYTES 0
 #endif

@@ -33,8 +33,9 @@ ALIGN_BYTES = 16               # every vector-loaded operand starts on a 16-byte
 # filled by TMA bulk copies that the prewait starts before the instance's wait. Python decides the
 # slot count (the C++ reads MEGART_DENSE_RING_SLOTS / _OFFSET) and sizes shared memory with it.
 # Off unless asked for (MEGART_DENSE_RING_SLOTS=2 or 3 at 256 threads): measured on the H200 it brings
-# the LM head from 0.95 to 1.00 of the read floor alone, but makes the Llama-1B step slower
-# (1,056 -> 1,274-1,321 us; bench/RESULTS.md), so the register engine is the default.
+# the LM head from 0.94 to 1.00-1.02 of the read floor alone, but makes the Llama-1B step slower
+# (1,056.0 -> 1,274.4-1,320.9 us; bench/RESULTS.md, "Weight ring and attention ring"), so the register
+# engine is the default.
 SLOT_BYTES = 2 * 256 * 16      # kSlotBytes: 2 rows x kStageChunks (32 lanes x kUnroll 8) x 16 B
 RING_OFFSET = STAGE_SMEM       # after x staging; a multiple of 128
 assert RING_OFFSET % 128 == 0
