@@ -34,6 +34,7 @@ ATTN_SUBGROUP = 8         # q heads one attention_decode instance holds in regis
 QKV_MAX_D = 8192
 QKV_MAX_ROWS = max(ATTN_HD)  # rows of one qkv_rope_append instance (2 * half; hd <= 128)
 ATTN_STAGE_WARPS = 8      # warps attention_decode merges per shared-memory round
+LOW_REG_THREADS = 512     # threads x CTAs per SM from which the bodies budget <= 128 registers (kLowRegs)
 MODE_ROPE, MODE_NORM, MODE_CACHE, MODE_HEAD_NORM = 1, 2, 4, 8
 SMEM_QKV = 4 * (QKV_MAX_ROWS * 32 + 32)     # per-warp row partials for up to 128 rows x 32 warps, scratch
 SMEM_ATTN_MERGE = 4 * ATTN_STAGE_WARPS * ATTN_SUBGROUP * (max(ATTN_HD) + 2)   # [warp][group][hd + m, l]
@@ -41,7 +42,8 @@ ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
 # declared here, emitted into the kernel as megart_attn::k* before tasks/attention_common.cuh
 header_constants(ATTENTION_HEADERS[0], "megart_attn", {
     "kModeRope": MODE_ROPE, "kModeNorm": MODE_NORM, "kModeCache": MODE_CACHE, "kModeHeadNorm": MODE_HEAD_NORM,
-    "kQkvMaxD": QKV_MAX_D, "kQkvMaxRows": QKV_MAX_ROWS, "kAttnStageWarps": ATTN_STAGE_WARPS})
+    "kQkvMaxD": QKV_MAX_D, "kQkvMaxRows": QKV_MAX_ROWS, "kAttnStageWarps": ATTN_STAGE_WARPS,
+    "kLowRegThreads": LOW_REG_THREADS})
 ATTN_RING = 64 * 1024                       # attention_decode's K/V ring (MEGART_ATTN_RING_BYTES), any thread count
 SMEM_ATTN = max(SMEM_ATTN_MERGE, ATTN_RING)  # the merge reuses the ring's bytes once it is drained
 
@@ -299,13 +301,13 @@ def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, **_):
 
 def attn_ring_bytes(cfg) -> int:
     """attention_decode's K/V ring in a kernel built with `cfg` (codegen.KernelConfig): MEGART_ATTN_RING_BYTES
-    when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under 512 threads (the body's
+    when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under LOW_REG_THREADS threads (the body's
     !kLowRegs case), 0 otherwise (the register path, as before the ring)."""
     from ..config import caller_macros
     forced = caller_macros(cfg).get("MEGART_ATTN_RING_BYTES")
     if forced is not None:
         return int(forced)
-    return ATTN_RING if cfg.min_blocks == 1 and cfg.threads < 512 else 0
+    return ATTN_RING if cfg.min_blocks == 1 and cfg.threads < LOW_REG_THREADS else 0
 
 
 def _attn_smem(cfg) -> int:

@@ -54,9 +54,9 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // or 2+ CTAs per SM if codegen defines MEGART_MIN_BLOCKS), the bodies keep fewer loads in flight so they do
 // not spill.
 #ifdef MEGART_MIN_BLOCKS
-constexpr bool kLowRegs = MEGART_THREADS * MEGART_MIN_BLOCKS >= 512;
+constexpr bool kLowRegs = MEGART_THREADS * MEGART_MIN_BLOCKS >= kLowRegThreads;
 #else
-constexpr bool kLowRegs = MEGART_THREADS >= 512;
+constexpr bool kLowRegs = MEGART_THREADS >= kLowRegThreads;
 #endif
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
