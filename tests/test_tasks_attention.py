@@ -445,7 +445,8 @@ def test_shared_helpers_are_emitted_once():
     types = [registry.get(n) for n in ("qkv_rope_append", "attention_decode", "attention_merge")]
     assert all(t.headers == ("tasks/attention_common.cuh",) for t in types)
     src = codegen.generate(types, codegen.KernelConfig()).text
-    assert src.count("namespace megart_attn {\n// 16 bytes of a weight") == 1
+    assert src.count("namespace megart_attn {\n#ifdef __CUDA_ARCH__\n// 16 bytes of a weight") == 1
+    assert src.count("constexpr int kQkvMaxD = 8192;") == 1       # its generated constants, once too
     for t in types:
         assert "ld_weight16(const void*" not in (ROOT / t.source).read_text()
 
