@@ -5,8 +5,10 @@ from setuptools import find_packages, setup
 
 DEVICE_TREE = {"megart.tasks": "tasks", "megart.csrc": "csrc", "megart.profiler": "profiler"}
 
+DATA_ONLY = ("megart.faithful.candidates",)   # the faithful gate's planted candidate bodies
+
 setup(
-    packages=find_packages(include=["megart", "megart.*"]) + list(DEVICE_TREE),
+    packages=find_packages(include=["megart", "megart.*"]) + list(DATA_ONLY) + list(DEVICE_TREE),
     package_dir=DEVICE_TREE,
-    package_data={**{pkg: ["*.cuh"] for pkg in DEVICE_TREE}, "megart.faithful": ["candidates/*.cuh"]},
+    package_data={pkg: ["*.cuh"] for pkg in (*DATA_ONLY, *DEVICE_TREE)},
 )
