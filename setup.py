@@ -1,22 +1,14 @@
-"""Packaging: the wheel ships the device sources (csrc/, tasks/, profiler/) inside the package as
-megart/_src/, where megart.sources finds them when there is no repository checkout around."""
-from pathlib import Path
-import shutil
+"""Packaging. The device tree (csrc/, tasks/, profiler/) is mapped into the package, so a wheel holds
+megart/tasks/<name>.py next to megart/tasks/<name>.cuh exactly as a checkout holds tasks/<name>.py next to
+tasks/<name>.cuh; megart/sources.py finds the tree by that one rule."""
+from setuptools import find_packages, setup
 
-from setuptools import setup
-from setuptools.command.build_py import build_py
+DEVICE_TREE = {"megart.tasks": "tasks", "megart.csrc": "csrc", "megart.profiler": "profiler"}
 
-SOURCE_DIRS = ("csrc", "tasks", "profiler")
+DATA_ONLY = ("megart.faithful.candidates",)   # the faithful gate's planted candidate bodies
 
-
-class BuildPyWithDeviceSources(build_py):
-    def run(self):
-        super().run()
-        here = Path(__file__).resolve().parent
-        dest = Path(self.build_lib) / "megart" / "_src"
-        for d in SOURCE_DIRS:
-            if (here / d).is_dir():
-                shutil.copytree(here / d, dest / d, dirs_exist_ok=True)
-
-
-setup(cmdclass={"build_py": BuildPyWithDeviceSources})
+setup(
+    packages=find_packages(include=["megart", "megart.*"]) + list(DATA_ONLY) + list(DEVICE_TREE),
+    package_dir=DEVICE_TREE,
+    package_data={pkg: ["*.cuh"] for pkg in (*DATA_ONLY, *DEVICE_TREE)},
+)

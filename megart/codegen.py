@@ -140,9 +140,11 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
     for t in types:
         if t.id in registry.NO_BODY:
             continue
-        w.add(params_struct(t, t.name in streamed), f"megart/tasks ({t.name})")
+        w.add(params_struct(t, t.name in streamed), f"tasks/ ({t.name} declaration)")
         text, path = read_source(overrides.get(t.name, t.source), root)
         w.add(text, str(path))
+        if t.generated:   # device functions derived from the declaration (they may use the body's plan_<name>)
+            w.add(t.generated(t), f"tasks/ ({t.name} declaration: generated)")
     w.add(dispatch(types, streamed))
     if streamed:
         w.add(stream_open([t for t in types if t.name in streamed]))

@@ -115,6 +115,15 @@ class TaskType:
     smem_for: Callable | None = None  # smem_for(cfg) -> bytes, when it depends on the kernel config
     defines_for: Callable | None = None   # defines_for(cfg) -> {macro: value} this type's source needs
     headers: tuple = ()               # shared device headers the body needs, emitted once per kernel
+    hostsim: bool = False             # the body also compiles for the host (its PTX-only pieces have host forms
+    #                                   under #ifndef __CUDA_ARCH__): the host simulation runs it (megart/emulate)
+    generated: Callable | None = None  # generated(t) -> C++ that codegen emits right after the body: device
+    #                                   functions the declaration derives (the dense types' prefetch/prewait/drain)
+    tol: float | None = None          # full-output relative error the device result may have against the
+    #                                   whole-op fp32 reference (with cosine >= 0.99); measured, see docs/TASKS.md
+    gate: str | Callable | None = None  # the faithful gate's spec (docs/FAITHFUL.md): a callable returning a
+    #                                   GateSpec, or "module:function" naming one (a reference, so a declaration
+    #                                   at the bottom floor does not import the gate machinery above it)
     doc: str = ""
     extra: dict = field(default_factory=dict, compare=False)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from .config import KernelConfig, caller_macros
 from .errors import GraphError
 from .registry import USER_ID_BASE
+from .tasks.dense_common import SLOT_BYTES  # one dense stage: a row pair x 256 16-byte chunks
 
-SLOT_BYTES = 2 * 256 * 16      # one dense stage: a row pair x 256 16-byte chunks (tasks/dense_common.cuh)
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
 STATIC_RESERVE = 2048          # static shared memory of the worker (descriptor slots, stream state)
 MAX_SLOTS = 4                  # past this the warps' stages already cover several us of HBM time

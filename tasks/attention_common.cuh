@@ -3,6 +3,7 @@
 // shared header of those task types (TaskType.headers), so codegen emits it once per kernel.
 #pragma once
 namespace megart_attn {
+#ifdef __CUDA_ARCH__
 // 16 bytes of a weight (read-only for the whole kernel): non-coherent path, no L1 allocation.
 __device__ __forceinline__ uint4 ld_weight16(const void* p) {
   uint4 v;
@@ -27,6 +28,17 @@ __device__ __forceinline__ float ld_in_f32(const float* p) {
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
   return v;
 }
+#else
+// Host simulation (megart/emulate/hostsim.py): one CTA, instances one at a time, so every load is plain.
+inline uint4 ld_weight16(const void* p) {
+  uint4 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+inline uint4 ld_in16(const void* p) { return ld_weight16(p); }
+inline int ld_in_i32(const int* p) { return *p; }
+inline float ld_in_f32(const float* p) { return *p; }
+#endif
 // 8 bf16 (one 16-byte vector) to fp32, exactly.
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const unsigned u[4] = {v.x, v.y, v.z, v.w};
@@ -42,9 +54,9 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // or 2+ CTAs per SM if codegen defines MEGART_MIN_BLOCKS), the bodies keep fewer loads in flight so they do
 // not spill.
 #ifdef MEGART_MIN_BLOCKS
-constexpr bool kLowRegs = MEGART_THREADS * MEGART_MIN_BLOCKS >= 512;
+constexpr bool kLowRegs = MEGART_THREADS * MEGART_MIN_BLOCKS >= kLowRegThreads;
 #else
-constexpr bool kLowRegs = MEGART_THREADS >= 512;
+constexpr bool kLowRegs = MEGART_THREADS >= kLowRegThreads;
 #endif
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

@@ -21,13 +21,15 @@
 // (shared helpers: tasks/attention_common.cuh)
 
 namespace megart_attn {
-constexpr int kAttnStageWarps = 8;  // warps merged per shared-memory round
-// K/V ring per CTA, set by megart/tasks/attention.py (attn_ring_bytes; 0: the register path for every group).
+// kAttnStageWarps: warps merged per shared-memory round (generated from tasks/attention.py)
+// K/V ring per CTA, set by tasks/attention.py (attn_ring_bytes; 0: the register path for every group).
 #ifndef MEGART_ATTN_RING_BYTES
 #define MEGART_ATTN_RING_BYTES 0
 #endif
 constexpr int kAttnRingBytes = MEGART_ATTN_RING_BYTES;
 
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ unsigned shared_addr(char* smem) { return (unsigned)__cvta_generic_to_shared(smem); }
 // 16 bytes global -> shared, asynchronously; n = 0 reads nothing and writes 16 zero bytes.
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int n) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
@@ -44,6 +46,28 @@ __device__ __forceinline__ uint4 ld_shared16(unsigned a) {
   return v;
 }
 
+#else
+// Host simulation: a shared address is an offset into the simulated CTA's shared memory (one CTA runs at a
+// time, so one base serves every fiber); a copy lands at once, so the waits have nothing to wait for.
+inline char* host_smem = nullptr;
+inline unsigned shared_addr(char* smem) {
+  host_smem = smem;
+  return 0;
+}
+inline void cp_async16(unsigned dst, const void* src, int n) {
+  std::memset(host_smem + dst, 0, 16);
+  std::memcpy(host_smem + dst, src, n);
+}
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+inline uint4 ld_shared16(unsigned a) {
+  uint4 v;
+  std::memcpy(&v, host_smem + a, 16);
+  return v;
+}
+#endif
+
 // VEC bf16 per lane (8: one 16-byte load; 4: one 8-byte load, which halves the q and o registers).
 template <int VEC>
 struct KVec {
@@ -59,7 +83,11 @@ __device__ __forceinline__ KVec<VEC> ld_kvec(const __nv_bfloat16* p) {
     r.u[2] = v.z;
     r.u[3] = v.w;
   } else {
+#ifdef __CUDA_ARCH__
     asm volatile("ld.global.cg.L2::128B.v2.u32 {%0, %1}, [%2];" : "=r"(r.u[0]), "=r"(r.u[1]) : "l"(p) : "memory");
+#else
+    std::memcpy(r.u, p, 8);
+#endif
   }
   return r;
 }
@@ -77,9 +105,14 @@ __device__ __forceinline__ void unpack_kvec(const KVec<VEC>& v, float* f) {
 template <bool kFtz>
 __device__ __forceinline__ float exp2_(float x) {
   if constexpr (kFtz) {
+#ifdef __CUDA_ARCH__
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+#else
+    const float y = exp2f(x);  // (host: exact, where MUFU.EX2 is within 2 ulp; subnormals flush as there)
+    return y < 1.17549435e-38f ? 0.f : y;
+#endif
   } else {
     return exp2f(x);
   }
@@ -163,7 +196,7 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   // 256 threads, 64 KB: RS = 4 stages of RU = 2 positions, 48 KB in flight per CTA while one is computed.
   constexpr int BATCH = SLOTS * RU;
   constexpr unsigned VSTRIDE = NT * 16;  // bytes between consecutive vectors of one thread
-  const unsigned ring = (unsigned)__cvta_generic_to_shared(smem) + tid * 16;
+  const unsigned ring = shared_addr(smem) + tid * 16;
   const int nst = (hi - lo + BATCH - 1) / BATCH;  // stages (0: empty chunk)
   auto issue = [&](int j) {
     if (j < nst) {

@@ -19,7 +19,7 @@ namespace dense {
 
 // kFlagResidual (gemv_m1 / gemv_m1_fp8: y = W x + residual), kFlagNorm (RMSNorm prologue on x with
 // norm_weight), kFlagLogits (lm_head_argmax: also store the f32 logits) and kScratchBytes (block
-// reductions: 32 floats + 32 ints; x is staged after it) come from megart/tasks/dense_common.py, emitted
+// reductions: 32 floats + 32 ints; x is staged after it) come from tasks/dense_common.py, emitted
 // just before this header.
 constexpr int kWarps = MEGART_THREADS / 32;
 static_assert(kScratchBytes >= 32 * 4 + 32 * 4, "block reductions need 32 floats + 32 ints");
@@ -39,7 +39,7 @@ static_assert(kWarps <= 32, "dense tasks assume at most 32 warps");
 
 // ---- loads ----------------------------------------------------------------------------------
 // Read-only weights: non-coherent path, no L1 allocation (streamed once), 256-byte L2 sectors.
-// (Without __CUDA_ARCH__ this is the host simulation of megart/tasks/dense_hostsim.py: a plain load.)
+// (Without __CUDA_ARCH__ this is the host simulation of megart/emulate/hostsim.py: a plain load.)
 // With MEGART_L2_HINTS the streamed weights are marked evict-first in L2, so they do not push out the
 // lines the L2 prefetcher brought in (evict-last) for the next instance.
 __device__ __forceinline__ uint4 ld_weight(const void* p) {
@@ -204,7 +204,7 @@ __device__ __forceinline__ void combine_split(const float (&s)[2], int groups, f
 }
 
 // ---- weight ring: TMA bulk copies of weight stages into shared memory -----------------------------
-// With MEGART_DENSE_RING_SLOTS > 0 (a kernel macro, off by default: see megart/tasks/dense_common.py
+// With MEGART_DENSE_RING_SLOTS > 0 (a kernel macro, off by default: see tasks/dense_common.py
 // for the measurements) a task that declares a prewait streams its weights through a per-warp ring
 // instead of registers. The prewait (run by the worker BEFORE the instance's dependency wait: weights
 // never depend on it) fills every warp's first slots, so the copies of instance i+1 are in flight while
@@ -223,7 +223,7 @@ constexpr int kStageChunks = 32 * kUnroll;         // per row per stage: one reg
 constexpr int kSlotBytes = 2 * kStageChunks * 16;  // a row pair's stage
 #if MEGART_DENSE_RING_SLOTS > 0
 #if !defined(MEGART_DENSE_RING_OFFSET) || !defined(MEGART_DENSE_RING_HEAD_BYTES) || !defined(MEGART_DENSE_RING_SLOT_BYTES)
-#error "MEGART_DENSE_RING_SLOTS needs the ring layout from megart/tasks/dense_common.py (defines_for): declare the task type with it"
+#error "MEGART_DENSE_RING_SLOTS needs the ring layout from tasks/dense_common.py (defines_for): declare the task type with it"
 #endif
 static_assert(MEGART_DENSE_RING_SLOT_BYTES == kSlotBytes, "dense_common.py SLOT_BYTES disagrees with kSlotBytes");
 static_assert(MEGART_DENSE_RING_OFFSET % 128 == 0, "the ring starts 128-byte aligned");

@@ -1,5 +1,5 @@
 // gate_up_silu: h[n] = silu(Wg x) * (Wu x); a group is (gate row r, up row r)
-// (helpers: tasks/dense_common.cuh)
+// (helpers: tasks/dense_common.cuh; prefetch/prewait/drain: generated from the declaration, dense_common.wrappers)
 template <class P>
 struct GateUpRows {
   const P& p;
@@ -27,22 +27,4 @@ __device__ __forceinline__ void megart_task_gate_up_silu(const P& p, char* smem)
   matvec_prewaited<false, P>(plan_gate_up_silu(p), xs, scratch_of(smem), [&](int g, float gate, float up) {
     if (lane == 0) p.h[g] = __float2bfloat16_rn(silu(gate) * up);
   }, smem);
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prefetch_gate_up_silu(const P& p) {
-  if (threadIdx.x == 0) {
-    megart::dense::prefetch_head(p.w_gate, 2ull * p.n * p.k, megart::dense::kPrefetchBytes / 2);
-    megart::dense::prefetch_head(p.w_up, 2ull * p.n * p.k, megart::dense::kPrefetchBytes / 2);
-  }
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prewait_gate_up_silu(const P& p, char* smem) {
-  megart::dense::ring_fill(plan_gate_up_silu(p), smem);
-}
-
-template <class P>
-__device__ __forceinline__ void megart_drain_gate_up_silu(const P&, char* smem) {
-  megart::dense::ring_drain(smem);
 }

@@ -1,5 +1,5 @@
 // gemv_m1_fp8: y[n] = scale[n] * (W8[n,k] @ norm?(x)) (+ residual)
-// (helpers: tasks/dense_common.cuh)
+// (helpers: tasks/dense_common.cuh; prefetch/prewait/drain: generated from the declaration, dense_common.wrappers)
 template <class P>
 __device__ __forceinline__ auto plan_gemv_m1_fp8(const P& p) {
   using namespace megart::dense;
@@ -22,19 +22,4 @@ __device__ __forceinline__ void megart_task_gemv_m1_fp8(const P& p, char* smem) 
       p.y[r] = __float2bfloat16_rn(v);
     }
   }, smem);
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prefetch_gemv_m1_fp8(const P& p) {
-  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 1ull * p.n * p.k);
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prewait_gemv_m1_fp8(const P& p, char* smem) {
-  megart::dense::ring_fill(plan_gemv_m1_fp8(p), smem);
-}
-
-template <class P>
-__device__ __forceinline__ void megart_drain_gemv_m1_fp8(const P&, char* smem) {
-  megart::dense::ring_drain(smem);
 }

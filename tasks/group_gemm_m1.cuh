@@ -1,5 +1,5 @@
 // group_gemm_m1: the live row of one active expert, rows [n) of its W[e]
-// (helpers: tasks/dense_common.cuh)
+// (helpers: tasks/dense_common.cuh; prefetch/prewait/drain: generated from the declaration, dense_common.wrappers)
 template <class P>
 __device__ __forceinline__ void megart_task_group_gemm_m1(const P& p, char* smem) {
   using namespace megart;
@@ -12,9 +12,4 @@ __device__ __forceinline__ void megart_task_group_gemm_m1(const P& p, char* smem
                   const int r = 2 * g + lane;
                   if (lane < 2 && r < p.n) p.y[r] = __float2bfloat16_rn(lane ? b : a);
                 });
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prefetch_group_gemm_m1(const P& p) {
-  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
 }

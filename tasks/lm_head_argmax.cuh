@@ -1,5 +1,5 @@
 // lm_head_argmax: logits of vocab rows [row0, row0 + n), partial argmax
-// (helpers: tasks/dense_common.cuh)
+// (helpers: tasks/dense_common.cuh; prefetch/prewait/drain: generated from the declaration, dense_common.wrappers)
 template <class P>
 __device__ __forceinline__ auto plan_lm_head_argmax(const P& p) {
   using namespace megart::dense;
@@ -31,19 +31,4 @@ __device__ __forceinline__ void megart_task_lm_head_argmax(const P& p, char* sme
     p.part_val[0] = bv;
     p.part_idx[0] = bi;
   }
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prefetch_lm_head_argmax(const P& p) {
-  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prewait_lm_head_argmax(const P& p, char* smem) {
-  megart::dense::ring_fill(plan_lm_head_argmax(p), smem);
-}
-
-template <class P>
-__device__ __forceinline__ void megart_drain_lm_head_argmax(const P&, char* smem) {
-  megart::dense::ring_drain(smem);
 }

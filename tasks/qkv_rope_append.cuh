@@ -14,7 +14,7 @@
 // (shared helpers: tasks/attention_common.cuh)
 
 namespace megart_attn {
-constexpr int kQkvMaxRows = 128;  // 2 * half; hd <= 128
+// kQkvMaxRows (2 * half; hd <= 128), kQkvMaxD and the kMode* bits: generated from tasks/attention.py
 
 // Pair j's two dot products (rows j and np + j): the per-warp partials in `red`, summed in warp order.
 __device__ __forceinline__ void pair_dots(const float* red, int j, int np, float& lo, float& hi) {
@@ -51,7 +51,7 @@ __device__ __forceinline__ void qkv_rope_append_body(const megart_params_qkv_rop
       for (int e = 0; e < 8; ++e) xf[k][e] = 0.f;
     }
   }
-  if (p.mode & 2) {
+  if (p.mode & kModeNorm) {
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < KV; ++k)
@@ -105,7 +105,7 @@ __device__ __forceinline__ void qkv_rope_append_body(const megart_params_qkv_rop
 
   // per-head RMSNorm (mode 8): the mean square over all 2 * np == hd dots of the head, fp32
   float head_inv = 1.f;
-  if (p.mode & 8) {  // uniform over the CTA, so every thread reaches block_sum
+  if (p.mode & kModeHeadNorm) {  // uniform over the CTA, so every thread reaches block_sum
     float ss = 0.f;
     for (int j = tid; j < np; j += NT) {
       float lo, hi;
@@ -119,19 +119,19 @@ __device__ __forceinline__ void qkv_rope_append_body(const megart_params_qkv_rop
   for (int j = tid; j < np; j += NT) {
     float lo, hi;
     pair_dots(red, j, np, lo, hi);
-    if (p.mode & 8) {
+    if (p.mode & kModeHeadNorm) {
       lo = lo * head_inv * __bfloat162float(p.head_norm[p.pair0 + j]);
       hi = hi * head_inv * __bfloat162float(p.head_norm[half + p.pair0 + j]);
     }
     float out_lo = lo, out_hi = hi;
-    if (p.mode & 1) {  // rotate-half RoPE on the pair (j, j + half), fp32
+    if (p.mode & kModeRope) {  // rotate-half RoPE on the pair (j, j + half), fp32
       const long long t = (long long)pos * half + p.pair0 + j;
       const float c = p.cos[t], s = p.sin[t];
       out_lo = lo * c - hi * s;
       out_hi = hi * c + lo * s;
     }
-    const long long row = (p.mode & 4) ? (long long)pos * 2 * half : 0;
-    const int hoff = (p.mode & 4) ? half : 0;
+    const long long row = (p.mode & kModeCache) ? (long long)pos * 2 * half : 0;
+    const int hoff = (p.mode & kModeCache) ? half : 0;
     p.dst[row + j] = __float2bfloat16_rn(out_lo);
     p.dst2[row + hoff + j] = __float2bfloat16_rn(out_hi);
   }
@@ -142,7 +142,7 @@ __device__ __forceinline__ void megart_task_qkv_rope_append(const megart_params_
   const int pos = megart_attn::ld_in_i32(p.pos);
   if (pos < 0 || pos >= p.max_seq) return;  // out-of-range position: the instance writes nothing
   // column vectors per thread; only the counts d <= 8192 can need at this thread count are instantiated
-  constexpr int kMaxPerThread = (8192 / 8 + MEGART_THREADS - 1) / MEGART_THREADS;
+  constexpr int kMaxPerThread = (megart_attn::kQkvMaxD / 8 + MEGART_THREADS - 1) / MEGART_THREADS;
   const int per_thread = ((p.d >> 3) + MEGART_THREADS - 1) / MEGART_THREADS;
   if (per_thread <= 1) {
     megart_attn::qkv_rope_append_body<1>(p, smem, pos);
@@ -164,6 +164,6 @@ __device__ __forceinline__ void megart_prefetch_qkv_rope_append(const megart_par
     const unsigned long long bytes = (unsigned long long)p.npairs * (unsigned long long)p.d * 2ull;
     megart::prefetch_l2(p.w, bytes);
     megart::prefetch_l2(p.w + (long long)p.half * p.d, bytes);
-    if (p.mode & 2) megart::prefetch_l2(p.norm_weight, (unsigned long long)p.d * 2ull);
+    if (p.mode & megart_attn::kModeNorm) megart::prefetch_l2(p.norm_weight, (unsigned long long)p.d * 2ull);
   }
 }

@@ -7,15 +7,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "megart"
+TASKS = ROOT / "tasks"      # the package megart.tasks (setup.py maps it; megart/sources.py loads it from here)
 
 
 def _modules() -> dict:
     out = {}
-    for p in PKG.rglob("*.py"):
-        parts = p.relative_to(PKG.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = p
+    for base, prefix in ((PKG, ()), (TASKS, ("megart", "tasks"))):
+        for p in base.rglob("*.py"):
+            parts = prefix + p.relative_to(base.parent if not prefix else base).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = p
     return out
+
+
+def test_the_task_declarations_are_seen():
+    mods = _modules()
+    assert {"megart.tasks", "megart.tasks.dense_matvec", "megart.tasks.attention", "megart"} <= set(mods)
+    assert mods["megart.tasks"] == TASKS / "__init__.py"
 
 
 def _edges(mods: dict) -> dict:

@@ -23,8 +23,8 @@ from megart.geometry.attention import (attention_m1, attention_scratch, qkv_m1, 
                                        ref_qkv_rope_append, rope_tables)
 from megart.geometry.attention import attention_chunks, chunk_range
 
-TOL_QKV = 1e-2
-TOL_ATTN = 1e-2
+TOL_QKV = megart.registry.get("qkv_rope_append").tol            # TaskType.tol, measured as above
+TOL_ATTN = megart.registry.get("attention_decode").tol
 COS_MIN = 0.99
 NW = 132
 THETA = 500000.0
@@ -339,6 +339,50 @@ def test_decode_chain(hd, pos):
     assert set(groups["qkv_rope_append"].uids) & att.deps
 
 
+# --- the CUDA bodies themselves, on the host (megart.emulate.hostsim: TaskType.hostsim) ---------------------
+
+def _chain_on_the_host(hd, pos, overrides=None, **pk_kw):
+    sh, ms = SHAPES[hd], 2048
+    pk = megart.PersistentKernel(nw=NW, device="cpu", source_overrides=overrides or {}, **pk_kw)
+    t, r = build_qkv(pk, sh, ms, pos, seed=pos)
+    build_attention(pk, t, sh, ms)
+    compiled(pk)
+    emu = {k: v.clone() for k, v in pk.emulate().items()}
+    q_ref, k_ref, v_ref = r["ref"]
+    kc, vc = r["k0"].float(), r["v0"].float()
+    kc[:, pos], vc[:, pos] = k_ref, v_ref
+    return pk, emu, q_ref, ref_attention_decode(q_ref, kc, vc, pos + 1)
+
+
+@pytest.mark.parametrize("hd,pos,defines", [(64, 2046, {}), (128, 1234, {"MEGART_ATTN_RING_BYTES": 0})],
+                         ids=["hd64-ring", "hd128-registers"])
+def test_attention_bodies_run_on_the_host(hd, pos, defines):
+    """qkv_rope_append, attention_decode (the cp.async ring and the register path) and attention_merge run as
+    CUDA compiled by g++ (one CTA as fibers, random order): against the fp32 chain and the emulator."""
+    from megart.emulate import hostsim
+    assert {"qkv_rope_append", "attention_decode", "attention_merge"} <= {t.name for t in hostsim.simulated_types()}
+    pk, emu, q_ref, out_ref = _chain_on_the_host(hd, pos, defines=defines)
+    dev = hostsim.run(pk, seed=3)
+    assert hostsim.run.prefetched, "no instance ran through the host-compiled bodies"
+    check(dev["q"], q_ref, TOL_QKV, "q (host-run body)")
+    check(dev["out"], out_ref, TOL_ATTN, "attention out (host-run bodies)")
+    assert rel(dev["out"], emu["out"]) <= TOL_ATTN / 2 and rel(dev["part_o"], emu["part_o"]) <= TOL_ATTN / 2
+
+
+def test_hostsim_catches_a_missing_barrier_in_attention(tmp_path):
+    """Drop the barrier between the cross-warp merge's shared-memory writes and its reads: the emulator (Python
+    references) cannot see it; the host-run body reads slots other warps have not written yet."""
+    from megart.emulate import hostsim
+    src = (megart.sources.source_root() / "tasks" / "attention_decode.cuh").read_text()
+    old = "    __syncthreads();\n    const int nw_round"
+    assert src.count(old) == 1
+    (tmp_path / "attention_decode.cuh").write_text(src.replace(old, "    const int nw_round"))
+    pk, emu, q_ref, out_ref = _chain_on_the_host(64, 2046, {"attention_decode": str(tmp_path / "attention_decode.cuh")})
+    check(emu["out"], out_ref, TOL_ATTN, "emulator (references only)")
+    dev = hostsim.run(pk, seed=3)
+    assert not (rel(dev["out"], out_ref) < TOL_ATTN), "the host-run body missed the dropped barrier"
+
+
 # --- refusals ---------------------------------------------------------------------------------------------
 
 def _raises(fn, match):
@@ -401,7 +445,8 @@ def test_shared_helpers_are_emitted_once():
     types = [registry.get(n) for n in ("qkv_rope_append", "attention_decode", "attention_merge")]
     assert all(t.headers == ("tasks/attention_common.cuh",) for t in types)
     src = codegen.generate(types, codegen.KernelConfig()).text
-    assert src.count("namespace megart_attn {\n// 16 bytes of a weight") == 1
+    assert src.count("namespace megart_attn {\n#ifdef __CUDA_ARCH__\n// 16 bytes of a weight") == 1
+    assert src.count("constexpr int kQkvMaxD = 8192;") == 1       # its generated constants, once too
     for t in types:
         assert "ld_weight16(const void*" not in (ROOT / t.source).read_text()
 

@@ -1,4 +1,6 @@
-"""Run the dense tasks' CUDA bodies (tasks/<name>.cuh over tasks/dense_common.cuh) on the CPU, to check device code without a GPU.
+"""Run the CUDA bodies of the task types declared with hostsim=True (the dense types over
+tasks/dense_common.cuh, the attention types over tasks/attention_common.cuh) on the CPU, to check device
+code without a GPU.
 
 The reference emulator (PersistentKernel.emulate) runs each task's *Python* reference, so it proves
 the graph and the numerics plan but never executes a line of CUDA. This module compiles the device
@@ -138,6 +140,7 @@ inline const char* megart_hs_fault = nullptr;
 inline void megart_host_fault(const char* what) {
   if (!megart_hs_fault) megart_hs_fault = what;
 }
+inline void __trap() { megart_host_fault("__trap() reached (the device aborts the launch here)"); }
 inline void __syncwarp(unsigned = 0xffffffffu) { hostsim::arrive(hostsim::warps[threadIdx.x >> 5]); }
 
 // Full-warp shuffle: one barrier per call; alternating buffers keep a lane that runs ahead into the
@@ -282,6 +285,8 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
         if text not in seen:                  # (the text, not its path, so the cache key is path-free)
             seen.add(text)
             parts.append(f"// ---- {Path(path).name}\n{text}")
+        if t.generated:                       # (as codegen: derived from the declaration, after the body)
+            parts.append(t.generated(t))
     if streamed:
         parts.append(stream_open(streamed))
     parts.append(RUNNER.replace("%CASES%", "\n".join(_case(t, t in streamed) for t in types)))
@@ -309,17 +314,16 @@ def hostsim_cache_dir() -> Path:
     return Path(os.environ.get("MEGART_HOSTSIM_CACHE", Path.home() / ".cache" / "megart-hostsim"))
 
 
-def dense_types() -> list:
-    """Every registered task type built on the dense helpers (tasks/dense_common.cuh)."""
-    from ..tasks.dense_common import HEADERS
-    return [t for t in registry.all_types() if t.headers == HEADERS]
+def simulated_types() -> list:
+    """Every registered task type whose body compiles for the host (TaskType.hostsim)."""
+    return [t for t in registry.all_types() if t.hostsim]
 
 
 def library(types: list | None = None, threads: int = 256, overrides: dict | None = None,
             defines: dict | None = None) -> ctypes.CDLL:
-    """The host-compiled bodies of `types` (default: every dense type), cached on disk by the hash of
+    """The host-compiled bodies of `types` (default: every simulated type), cached on disk by the hash of
     the translation unit and the compiler, and per process."""
-    types = dense_types() if types is None else types
+    types = simulated_types() if types is None else types
     src = source(types, threads, overrides, defines)
     cxx = os.environ.get("CXX", "g++")
     key = hashlib.sha256((cxx + "\0" + src).encode()).hexdigest()[:24]
@@ -361,25 +365,26 @@ class HostSimError(MegartError):
 
 
 def run(pk, steps: int = 1, seed: int = 0) -> dict:
-    """Execute pk's compiled schedule on its CPU tensors, in place: dense instances through their
-    host-compiled CUDA bodies, any other instance through its Python reference. Returns {tensor
-    name: tensor} (the kernel's own tensors); `run.prefetched[uid]` holds the bytes each dense
-    instance's prefetch asked for."""
+    """Execute pk's compiled schedule on its CPU tensors, in place: instances of the simulated types
+    (TaskType.hostsim) through their host-compiled CUDA bodies, any other instance through its Python
+    reference. Returns {tensor name: tensor} (the kernel's own tensors); `run.prefetched[uid]` holds the
+    bytes each simulated instance's prefetch asked for."""
     from ..launch import pack_descriptors
     from ..verify import simulate
     pk._need_compiled()
     if pk.device.type != "cpu":
         raise HostSimError("the host simulation runs CPU-device kernels (PersistentKernel(device='cpu'))")
     s = pk.schedule
-    dense_ids = {t.id for t in dense_types()}
-    from ..tasks.dense_common import HEADERS
-    overrides = {k: v for k, v in pk.source_overrides.items() if k in {t.name for t in dense_types()} | set(HEADERS)}
+    sim = [t for t in pk.task_types if t.hostsim]         # the kernel's types whose bodies compile for the host
+    sim_ids = {t.id for t in sim}
+    overrides = {k: v for k, v in pk.source_overrides.items()
+                 if k in {t.name for t in sim} | {h for t in sim for h in t.headers}}
     from ..codegen import kernel_defines
     from ..stream import layout as stream_layout
     cfg = pk.kernel_config()
-    defines = kernel_defines(dense_types(), cfg, overrides)   # the macros codegen gives these bodies
-    lay = stream_layout(dense_types(), cfg, overrides)
-    lib = library(None, pk.threads, overrides, defines)
+    defines = kernel_defines(pk.task_types, cfg, pk.source_overrides)   # the macros codegen gave the kernel
+    lay = stream_layout(pk.task_types, cfg, pk.source_overrides)
+    lib = library(sim, pk.threads, overrides, defines) if sim else None   # (None: references only)
     desc, starts = pack_descriptors(s)
     off = header_offsets()
     hdr = desc[:, : HEADER_INTS // 2].view(np.int32)
@@ -405,7 +410,7 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
         inst = s.instances[uid]
         if inst.type.id in registry.NO_BODY:
             return
-        if inst.type.id not in dense_ids:
+        if inst.type.id not in sim_ids:
             inst.type.reference(s.graph.host_views(inst, host))
             return
         w = s.worker_of[uid]

@@ -3,34 +3,20 @@ apart from context.py (which resolves a name to its model context), so model_con
 without importing its caller."""
 from __future__ import annotations
 
-import importlib
-
+from ..models.llama_config import CONFIGS
 from .codes import UNKNOWN_CONTEXT, GateError
 
 ISOLATED = "isolated"
 
 
-def _llama_configs() -> dict:
-    try:
-        cfgmod = importlib.import_module("megart.models.llama_config")
-    except Exception:
-        return {}
-    return dict(getattr(cfgmod, "CONFIGS", {}))
+def llama_configs() -> dict:
+    """The Llama configs a model context can be built from (megart.models.llama_config.CONFIGS)."""
+    return dict(CONFIGS)
 
 
 def known() -> list[str]:
-    """Model context names (llama_<config>) that this checkout can build."""
-    if not _llama_available():
-        return []
-    return [f"llama_{k}" for k in _llama_configs()]
-
-
-def _llama_available() -> bool:
-    try:
-        importlib.import_module("megart.models.llama")
-        return True
-    except Exception:
-        return False
+    """Model context names (llama_<config>)."""
+    return [f"llama_{k}" for k in CONFIGS]
 
 
 def unknown(name: str, why: str) -> GateError:

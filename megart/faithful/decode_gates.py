@@ -11,31 +11,19 @@ generated on the CPU so every machine builds the same bytes; fp32 references on 
 whole-op reference is independent of the per-instance CPU references the emulator runs, so the CPU
 check also tests each task's split. The default shapes are the Llama-3.2-1B decode shapes the
 models in megart.models run, except group_gemm_m1 (a DeepSeek-V3-like expert GEMM, the routed MoE
-case). An adapter returns None when its task type is not registered.
+case). Each task type names its adapter here in its declaration (TaskType.gate, tasks/*.py).
 """
 from __future__ import annotations
 
 import torch
 
-from .. import registry
-from ..errors import RegistryError
+from ..geometry import attention as ga
+from ..geometry import dense as gd
+from ..geometry.attention import attention_chunks, chunk_range
 from .gate_spec import GateInputs, GateSpec, generator
 
 BF16 = torch.bfloat16
 LLAMA_1B = dict(d=2048, ffn=8192, n_q=32, n_kv=8, hd=64, ctx=2048, headroom=1024)
-
-
-def _registered(name: str) -> bool:
-    try:
-        registry.get(name)
-        return True
-    except RegistryError:
-        return False
-
-
-def _geo(module: str):
-    import importlib
-    return importlib.import_module(f"megart.geometry.{module}")
 
 
 def _multiple(what: str, v: int, m: int) -> None:
@@ -45,21 +33,18 @@ def _multiple(what: str, v: int, m: int) -> None:
 
 # ---- gemv_m1 -------------------------------------------------------------------------------------
 def _gemv_build(shape, *, device, seed, decode_m1=False, nw=None):
-    g = _geo("dense")
     n, k = shape
-    w, x = g.dense_m1(n, k, seed)
-    expected = g.ref_gemv(w, x)
+    w, x = gd.dense_m1(n, k, seed)
+    expected = gd.ref_gemv(w, x)
     tens = {"y": torch.zeros(n, dtype=BF16, device=device), "w": w.to(device), "x": x.to(device)}
     return GateInputs(tensors=tens, call=dict(tens), output="y", expected=expected,
                       live_desc=f"all {n} outputs (M = 1)",
                       note="decode geometry: M = 1 (one activation row), y = W x, bf16 in/out, fp32 reference")
 
 
-def gemv_m1() -> GateSpec | None:
-    if not _registered("gemv_m1"):
-        return None
+def gemv_m1() -> GateSpec:
     # default: Llama-3.2-1B's widest dense projection shape (ffn x d = 8192 x 2048, 32 MiB of bf16)
-    return GateSpec(task="gemv_m1", dims=("N", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
+    return GateSpec(task="gemv_m1", model_tiles=("o", "down"), dims=("N", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
                     build=_gemv_build, tiles=lambda shape, nw: nw, cpu_shape=(2048, 2048), cpu_max_elems=1 << 25, cpu_keep=("K",),
                     decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 8),
                     extra={"elements": lambda s: s[0] * s[1]},
@@ -68,12 +53,11 @@ def gemv_m1() -> GateSpec | None:
 
 # ---- gemv_m1_fp8 ---------------------------------------------------------------------------------
 def _gemv_fp8_build(shape, *, device, seed, decode_m1=False, nw=None):
-    g = _geo("dense")
     n, k = shape
-    w, x = g.dense_m1(n, k, seed, dtype=torch.float32)
-    w8, scale = g.quantize_fp8_per_channel(w)       # pre-quantised: the reference reads the same bytes
+    w, x = gd.dense_m1(n, k, seed, dtype=torch.float32)
+    w8, scale = gd.quantize_fp8_per_channel(w)       # pre-quantised: the reference reads the same bytes
     x = x.to(BF16)
-    expected = g.ref_gemv_fp8(w8, scale, x)
+    expected = gd.ref_gemv_fp8(w8, scale, x)
     tens = {"y": torch.zeros(n, dtype=BF16, device=device), "w": w8.to(device), "scale": scale.to(device),
             "x": x.to(device)}
     return GateInputs(tensors=tens, call=dict(tens), output="y", expected=expected,
@@ -81,10 +65,8 @@ def _gemv_fp8_build(shape, *, device, seed, decode_m1=False, nw=None):
                       note="decode geometry: M = 1; pre-quantised e4m3 weights + per-channel scales")
 
 
-def gemv_m1_fp8() -> GateSpec | None:
-    if not _registered("gemv_m1_fp8"):
-        return None
-    return GateSpec(task="gemv_m1_fp8", dims=("N", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
+def gemv_m1_fp8() -> GateSpec:
+    return GateSpec(task="gemv_m1_fp8", model_tiles=("o", "down", "gate_up"), dims=("N", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
                     build=_gemv_fp8_build, tiles=lambda shape, nw: nw, cpu_shape=(2048, 2048),
                     cpu_max_elems=1 << 25, cpu_keep=("K",), decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 16),
                     extra={"elements": lambda s: s[0] * s[1]}, doc="fp8 e4m3 GEMV, per-channel scales, M = 1")
@@ -92,21 +74,18 @@ def gemv_m1_fp8() -> GateSpec | None:
 
 # ---- gate_up_silu --------------------------------------------------------------------------------
 def _gate_up_build(shape, *, device, seed, decode_m1=False, nw=None):
-    g = _geo("dense")
     f, k = shape
-    wg, x = g.dense_m1(f, k, seed)
-    wu, _ = g.dense_m1(f, k, seed + 1)
-    expected = g.ref_gate_up_silu(wg, wu, x)
+    wg, x = gd.dense_m1(f, k, seed)
+    wu, _ = gd.dense_m1(f, k, seed + 1)
+    expected = gd.ref_gate_up_silu(wg, wu, x)
     tens = {"h": torch.zeros(f, dtype=BF16, device=device), "w_gate": wg.to(device), "w_up": wu.to(device),
             "x": x.to(device)}
     return GateInputs(tensors=tens, call=dict(tens), output="h", expected=expected,
                       live_desc=f"all {f} outputs (M = 1)", note="decode geometry: M = 1, h = silu(Wg x) * (Wu x)")
 
 
-def gate_up_silu() -> GateSpec | None:
-    if not _registered("gate_up_silu"):
-        return None
-    return GateSpec(task="gate_up_silu", dims=("F", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
+def gate_up_silu() -> GateSpec:
+    return GateSpec(task="gate_up_silu", model_tiles=("gate_up",), dims=("F", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
                     build=_gate_up_build, tiles=lambda shape, nw: nw, cpu_shape=(2048, 2048),
                     cpu_max_elems=1 << 25, cpu_keep=("K",), decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 8),
                     extra={"elements": lambda s: 2 * s[0] * s[1]}, doc="fused gate/up projection + SiLU, M = 1")
@@ -122,26 +101,23 @@ def _active(e: int, seed: int) -> list[int]:
 
 
 def _group_build(shape, *, device, seed, decode_m1=True, nw=None):
-    g = _geo("dense")
     e, n, k = shape
     act = _active(e, seed)
-    w, a, rows = g.moe_m1(e, act, n, k, seed)
-    ref = g.ref_group_gemm_m1(w, a, act)               # [len(act), N], the live rows only
-    expected = torch.zeros(e * g.EXPERT_ROWS, n, dtype=torch.float32)
+    w, a, rows = gd.moe_m1(e, act, n, k, seed)
+    ref = gd.ref_group_gemm_m1(w, a, act)               # [len(act), N], the live rows only
+    expected = torch.zeros(e * gd.EXPERT_ROWS, n, dtype=torch.float32)
     expected[rows] = ref
-    tens = {"y": torch.zeros(e * g.EXPERT_ROWS, n, dtype=BF16, device=device), "w": w.to(device),
+    tens = {"y": torch.zeros(e * gd.EXPERT_ROWS, n, dtype=BF16, device=device), "w": w.to(device),
             "a": a.to(device)}
     rows = rows.cpu()
     return GateInputs(tensors=tens, call={"y": tens["y"], "w": tens["w"], "a": tens["a"], "active": act},
                       output="y", expected=expected, live=lambda t: t[rows],
-                      live_desc=f"the {len(act)} live rows (expert*{g.EXPERT_ROWS} + 0 of experts {act})",
+                      live_desc=f"the {len(act)} live rows (expert*{gd.EXPERT_ROWS} + 0 of experts {act})",
                       note=f"decode-m1 geometry: {len(act)} active experts {act} of {e}, one live row each; "
                            "the other 127 rows of each expert tile are zero padding")
 
 
-def group_gemm_m1() -> GateSpec | None:
-    if not _registered("group_gemm_m1"):
-        return None
+def group_gemm_m1() -> GateSpec:
     # DeepSeek-V3-like expert GEMM on one rank: 32 local experts, N = 2048 (moe_inter), K = 7168 (hidden)
     return GateSpec(task="group_gemm_m1", dims=("E", "N", "K"), default_shape=(32, 2048, 7168),
                     build=_group_build, tiles=lambda shape, nw: nw, cpu_shape=(16, 256, 1024),
@@ -152,7 +128,6 @@ def group_gemm_m1() -> GateSpec | None:
 
 # ---- attention: qkv_rope_append ----------------------------------------------------------------------
 def _qkv_build(shape, *, device, seed, decode_m1=False, nw=None):
-    ga = _geo("attention")
     d, n_q, n_kv, hd, L = shape
     max_seq = L + LLAMA_1B["headroom"]
     pos = L                                             # the first decode step after an L-token prefill
@@ -176,11 +151,9 @@ def _qkv_build(shape, *, device, seed, decode_m1=False, nw=None):
                       note=f"decode geometry: one token at pos {pos}, fused RMSNorm + QKV + RoPE + cache append")
 
 
-def qkv_rope_append() -> GateSpec | None:
-    if not _registered("qkv_rope_append"):
-        return None
+def qkv_rope_append() -> GateSpec:
     c = LLAMA_1B
-    return GateSpec(task="qkv_rope_append", dims=("d", "Hq", "Hkv", "D", "L"),
+    return GateSpec(task="qkv_rope_append", model_tiles=("qkv",), dims=("d", "Hq", "Hkv", "D", "L"),
                     default_shape=(c["d"], c["n_q"], c["n_kv"], c["hd"], c["ctx"]), build=_qkv_build,
                     tiles=lambda shape, nw: nw, cpu_shape=(512, 8, 2, 64, 64), cpu_max_elems=1 << 25,
                     cpu_keep=("d", "D"),
@@ -204,8 +177,6 @@ def _partials_merge(part_o, part_ml, n_kv, chunks, G, hd):
 
 
 def _attn_build(shape, *, device, seed, decode_m1=False, nw=None, tiles=None):
-    ga = _geo("attention")
-    from ..geometry.attention import attention_chunks
     n_q, n_kv, hd, L = shape
     max_seq = L + LLAMA_1B["headroom"]
     pos = L - 1                                          # kv_len = pos + 1 = L real positions
@@ -225,11 +196,9 @@ def _attn_build(shape, *, device, seed, decode_m1=False, nw=None, tiles=None):
                            f"{chunks} KV chunks per kv head")
 
 
-def attention_decode() -> GateSpec | None:
-    if not _registered("attention_decode"):
-        return None
+def attention_decode() -> GateSpec:
     c = LLAMA_1B
-    return GateSpec(task="attention_decode", dims=("Hq", "Hkv", "D", "L"),
+    return GateSpec(task="attention_decode", model_tiles=("attn_chunks",), dims=("Hq", "Hkv", "D", "L"),
                     default_shape=(c["n_q"], c["n_kv"], c["hd"], c["ctx"] + 1), build=_attn_build,
                     tiles=lambda shape, nw: nw, cpu_shape=(8, 2, 64, 256), cpu_max_elems=1 << 25, cpu_keep=("D",),
                     decode_m1="native", extra={"elements": lambda s: 2 * s[1] * (s[3] + 1024) * s[2]},
@@ -238,8 +207,6 @@ def attention_decode() -> GateSpec | None:
 
 # ---- attention: attention_merge ----------------------------------------------------------------------
 def _merge_build(shape, *, device, seed, decode_m1=False, nw=None):
-    ga = _geo("attention")
-    from ..geometry.attention import chunk_range
     n_q, n_kv, hd, C = shape
     L = LLAMA_1B["ctx"] + 1
     q, kc, vc = ga.attention_m1(n_q, n_kv, hd, L, L, seed)
@@ -267,22 +234,9 @@ def _merge_build(shape, *, device, seed, decode_m1=False, nw=None):
                       note=f"merge of {C} chunk partials per kv head (kv_len {L}), against whole attention")
 
 
-def attention_merge() -> GateSpec | None:
-    if not _registered("attention_merge"):
-        return None
+def attention_merge() -> GateSpec:
     c = LLAMA_1B
-    return GateSpec(task="attention_merge", dims=("Hq", "Hkv", "D", "C"),
+    return GateSpec(task="attention_merge", model_tiles=("merge",), dims=("Hq", "Hkv", "D", "C"),
                     default_shape=(c["n_q"], c["n_kv"], c["hd"], 16), build=_merge_build,
                     tiles=lambda shape, nw: nw, cpu_shape=None, decode_m1="native",
                     doc="log-sum-exp merge of attention_decode's chunk partials (16 chunks = 132 // 8)")
-
-
-ADAPTERS = {
-    "gemv_m1": gemv_m1,
-    "gemv_m1_fp8": gemv_m1_fp8,
-    "gate_up_silu": gate_up_silu,
-    "group_gemm_m1": group_gemm_m1,
-    "qkv_rope_append": qkv_rope_append,
-    "attention_decode": attention_decode,
-    "attention_merge": attention_merge,
-}

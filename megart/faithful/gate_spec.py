@@ -56,6 +56,7 @@ class GateSpec:
     cpu_keep: tuple = ()              # dims the reduced shape takes from the requested one (e.g. ("K",))
     decode_m1: str = "native"         # "native": always M = 1 | "mode": --decode-m1 selects live rows | "none"
     check_shape: Callable | None = None   # check_shape(shape) -> None or raise GraphError/ValueError
+    model_tiles: tuple = ()           # the LlamaModel tile keys that size this task's calls (--context llama_*)
     doc: str = ""
     origin: str = "megart.faithful.gates"
     extra: dict = field(default_factory=dict)

@@ -10,15 +10,16 @@ A gate spec says, for one registered task type:
 * the bytes one call moves (for achieved bandwidth; default: the task type's own cost model),
 * a reduced shape for the CPU emulator when the production one would take too long there.
 
-Specs come from three places, first match wins:
+Specs come from two places, first match wins:
 
-1. `register_gate(GateSpec(...))` (tests, user task types, task authors who prefer it),
-2. a task type's declaration: `TaskType(extra={"faithful": GateSpec | callable -> GateSpec})`,
-3. the built-in table below (synthetic tasks, and adapters for the decode task types that look up
-   the geometry builders in megart.geometry when those modules provide them).
+1. `register_gate(GateSpec(...))` (tests, task authors who prefer it),
+2. the task type's declaration: `TaskType(gate=...)`, a callable returning the GateSpec or a
+   "module:function" reference to one (the built-ins name theirs: the synthetic ones below, the decode
+   types' in decode_gates.py).
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Callable
 
@@ -46,12 +47,21 @@ def unregister_gate(task: str) -> None:
 
 
 def _from_declaration(ttype) -> GateSpec | None:
-    hook = (ttype.extra or {}).get("faithful")
+    """The spec TaskType.gate gives (None when the type declares no gate)."""
+    hook = ttype.gate
     if hook is None:
         return None
+    if isinstance(hook, str):           # "module:function", resolved here rather than imported by the declaration
+        module, _, name = hook.partition(":")
+        try:
+            hook = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise RegistryError(f"task {ttype.name!r}: gate {ttype.gate!r} names no function "
+                                f"('module:function'): {exc}") from None
     spec = hook() if callable(hook) and not isinstance(hook, GateSpec) else hook
-    if not isinstance(spec, GateSpec):
-        raise RegistryError(f"task {ttype.name!r}: extra['faithful'] must be a GateSpec or return one")
+    if not isinstance(spec, GateSpec) or spec.task != ttype.name:
+        raise RegistryError(f"task {ttype.name!r}: gate {ttype.gate!r} must give a GateSpec for task "
+                            f"{ttype.name!r}, got {spec!r:.120}")
     return spec
 
 
@@ -65,11 +75,11 @@ def get(task: str) -> GateSpec:
     spec = _GATES.get(task)
     if callable(spec) and not isinstance(spec, GateSpec):
         spec = spec()
-    spec = spec or _from_declaration(ttype) or _builtin(ttype.name)
+    spec = spec or _from_declaration(ttype)
     if spec is None:
         raise GateError(UNKNOWN_TASK, f"task {task!r} (id {ttype.id}) is registered but has no faithful gate spec "
                                       "(production shape, input builder, PyTorch reference). Add one with "
-                                      "megart.faithful.gates.register_gate(...) or extra={'faithful': ...} in its "
+                                      "megart.faithful.gates.register_gate(...) or gate=... in its "
                                       f"declaration. Tasks with a gate: {', '.join(available()) or 'none'}.")
     return spec
 
@@ -77,10 +87,10 @@ def get(task: str) -> GateSpec:
 def available() -> list[str]:
     out = []
     for t in registry.all_types():
-        if t.id in getattr(registry, "NO_BODY", (registry.BARRIER_ID,)):
+        if t.id in registry.NO_BODY:
             continue
         try:
-            if t.name in _GATES or _from_declaration(t) is not None or _builtin(t.name) is not None:
+            if t.name in _GATES or _from_declaration(t) is not None:
                 out.append(t.name)
         except Exception:      # a broken plug-in must not hide the others
             continue
@@ -148,15 +158,9 @@ def _bind_call(build):
     return wrapped
 
 
-_BUILTIN: dict[str, Callable[[], GateSpec | None]] = {
-    "axpy": lambda: _synthetic("axpy", _bind_call(_axpy_build)),
-    "copy": lambda: _synthetic("copy", _bind_call(_copy_build)),
-}
+def axpy() -> GateSpec:
+    return _synthetic("axpy", _bind_call(_axpy_build))
 
 
-def _builtin(name: str) -> GateSpec | None:
-    fn = _BUILTIN.get(name)
-    if fn is None:
-        from . import decode_gates      # adapters for the decode task types (lazy: they import geometry)
-        fn = decode_gates.ADAPTERS.get(name)
-    return fn() if fn is not None else None
+def copy() -> GateSpec:
+    return _synthetic("copy", _bind_call(_copy_build))

@@ -18,7 +18,6 @@
 """
 from __future__ import annotations
 
-import importlib
 import time
 from types import SimpleNamespace
 
@@ -28,28 +27,18 @@ import torch
 from ..errors import GraphError
 from ..tensors import TensorRef
 from .codes import BAD_SHAPE, DEVICE, INCORRECT, GateError
-from .context_names import _llama_configs, unknown
+from .context_names import llama_configs, unknown
 
 COS_MIN = 0.99
-
-# task type -> the LlamaModel tile keys that size its calls
-TILE_KEYS = {"gemv_m1": ("o", "down"), "gemv_m1_fp8": ("o", "down", "gate_up"), "gate_up_silu": ("gate_up",),
-             "qkv_rope_append": ("qkv",), "attention_decode": ("attn_chunks",), "attention_merge": ("merge",)}
 
 
 def resolve(name: str):
     if not name.startswith("llama_"):
         raise unknown(name, "not 'isolated' and not a known model (llama_<config>)")
     key = name[len("llama_"):]
-    configs = _llama_configs()
+    configs = llama_configs()
     if key not in configs:
         raise unknown(name, f"no Llama config {key!r} (configs: {', '.join(sorted(configs)) or 'none'})")
-    try:
-        mod = importlib.import_module("megart.models.llama")
-    except Exception as exc:
-        raise unknown(name, f"megart.models.llama is not available in this checkout ({exc})") from None
-    if not hasattr(mod, "LlamaModel"):
-        raise unknown(name, "megart.models.llama has no LlamaModel")
     return LlamaContext(name, key)
 
 
@@ -67,7 +56,7 @@ class LlamaContext:
         from ..models.llama import default_tiles
         base = default_tiles(cfg, nw)
         out = {}
-        for k in TILE_KEYS.get(p.cfg.task, ()):
+        for k in p.spec.model_tiles:
             if k not in base:
                 continue
             prod = p.cfg.tiles if p.cfg.tiles is not None else base[k]

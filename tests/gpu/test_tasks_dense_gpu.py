@@ -1,5 +1,5 @@
 """Dense decode task types on the GPU at the production grid (nw = SM count, 132 on the H200): the
-GPU result against the fp32 whole-op reference (cosine >= 0.99, relerr <= geo.TASK_TOL, the gate of
+GPU result against the fp32 whole-op reference (cosine >= 0.99, relerr <= TaskType.tol, the gate of
 docs/TASKS.md) and against the CPU emulator run on the same starting tensors (relerr <= tol / 2; exact
 for integer outputs). Also: several steps without reset, an nw sweep, a decode-chain fragment that feeds
 the argmax back on the device, and a bandwidth report against the HBM read floor measured in the run.
@@ -17,7 +17,7 @@ import megart
 from megart.geometry import dense as geo
 
 pytestmark = pytest.mark.gpu
-TOL = geo.TASK_TOL
+TOL = {t.name: t.tol for t in megart.registry.all_types() if t.tol is not None}   # TaskType.tol
 
 
 def sms() -> int:

@@ -12,7 +12,7 @@ import torch
 from ..geometry.dense import EXPERT_ROWS  # group_gemm_m1: each expert's tile of `a` / `y` rows (row 0 live)
 from ..registry import Cost, TaskType, ptr, register, scalar
 from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS, STAGE_SMEM, aligned,
-                           check_k, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub)
+                           check_k, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub, wrappers)
 from .shapes import check_shape
 from .tiling import even_tiles, require
 
@@ -82,7 +82,8 @@ def _gemv_cost(y=None, w=None, x=None, residual=None, norm_weight=None, scale=No
 
 
 register(TaskType(
-    name="gemv_m1", id=16,
+    name="gemv_m1", id=16, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:gemv_m1",
+    generated=wrappers("w", ring=True),
     params=(ptr("y", "bf16", "out"), ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"),
             ptr("residual", "bf16", "in", optional=True), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
@@ -105,7 +106,8 @@ def _gemv_fp8_ref(p) -> None:
 
 
 register(TaskType(
-    name="gemv_m1_fp8", id=24,
+    name="gemv_m1_fp8", id=24, hostsim=True, tol=5e-3, gate="megart.faithful.decode_gates:gemv_m1_fp8",
+    generated=wrappers("w", ring=True),
     params=(ptr("y", "bf16", "out"), ptr("w", "fp8e4m3", "weight"), ptr("scale", "f32", "weight"),
             ptr("x", "bf16", "in"), ptr("residual", "bf16", "in", optional=True), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
@@ -158,7 +160,8 @@ def _group_cost(y=None, w=None, a=None, active=(), **_):
 
 
 register(TaskType(
-    name="group_gemm_m1", id=23,
+    name="group_gemm_m1", id=23, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:group_gemm_m1",
+    generated=wrappers("w", ring=False),
     params=(ptr("y", "bf16", "out"), ptr("w", "bf16", "weight"), ptr("a", "bf16", "in"),
             scalar("n"), scalar("k")),
     source=source("group_gemm_m1"), headers=HEADERS, reference=_group_ref, split=_group_split, cost=_group_cost,
@@ -201,7 +204,8 @@ def _gate_up_cost(h=None, w_gate=None, w_up=None, x=None, norm_weight=None, **_)
 
 
 register(TaskType(
-    name="gate_up_silu", id=18,
+    name="gate_up_silu", id=18, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:gate_up_silu",
+    generated=wrappers("w_gate", "w_up", ring=True),
     params=(ptr("h", "bf16", "out"), ptr("w_gate", "bf16", "weight"), ptr("w_up", "bf16", "weight"),
             ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
@@ -260,7 +264,8 @@ def _lm_cost(w=None, x=None, part_val=None, part_idx=None, logits=None, norm_wei
 
 
 register(TaskType(
-    name="lm_head_argmax", id=21,
+    name="lm_head_argmax", id=21, hostsim=True, tol=1e-2,
+    generated=wrappers("w", ring=True),
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("part_val", "f32", "out"),
             ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),
@@ -287,7 +292,7 @@ def _argmax_ref(p) -> None:
 
 
 register(TaskType(
-    name="argmax_reduce", id=22,
+    name="argmax_reduce", id=22, hostsim=True,
     params=(ptr("token", "i32", "out"), ptr("part_val", "f32", "in"), ptr("part_idx", "i32", "in"), scalar("n")),
     source=source("argmax_reduce"), headers=HEADERS, reference=_argmax_ref, split=_argmax_split,
     cost=lambda token=None, part_val=None, **_: Cost(bytes=8 * ref("cost", part_val, "part_val").count + 4),

@@ -31,7 +31,7 @@ def _rmsnorm_ref(p) -> None:
 
 
 register(TaskType(
-    name="rmsnorm", id=17,
+    name="rmsnorm", id=17, hostsim=True, tol=1e-2,
     params=(ptr("y", "bf16", "out"), ptr("x", "bf16", "in"), ptr("w", "bf16", "weight"),
             scalar("n"), scalar("k"), scalar("off"), scalar("eps", "f32")),
     source=source("rmsnorm"), headers=HEADERS, reference=_rmsnorm_ref, split=_rmsnorm_split,
@@ -62,7 +62,7 @@ def _silu_mul_ref(p) -> None:
 
 
 register(TaskType(
-    name="silu_mul", id=19,
+    name="silu_mul", id=19, hostsim=True, tol=1e-2,
     params=(ptr("h", "bf16", "out"), ptr("g", "bf16", "in"), ptr("u", "bf16", "in"), scalar("n")),
     source=source("silu_mul"), headers=HEADERS, reference=_silu_mul_ref, split=_silu_mul_split,
     cost=lambda h=None, **_: Cost(bytes=3 * nbytes(ref("cost", h, "h")), flops=5 * ref("cost", h, "h").count),
@@ -92,7 +92,7 @@ def _embedding_ref(p) -> None:
 
 
 register(TaskType(
-    name="embedding", id=20,
+    name="embedding", id=20, hostsim=True, tol=0.0,
     params=(ptr("y", "bf16", "out"), ptr("table", "bf16", "weight"), ptr("token", "i32", "in"),
             scalar("n"), scalar("d"), scalar("col0"), scalar("vocab")),
     source=source("embedding"), headers=HEADERS, reference=_embedding_ref, split=_embedding_split,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from ..geometry.attention import attention_chunks, auto_tiles, chunk_range
-from ..registry import Cost, TaskType, ptr, register, scalar
+from ..registry import Cost, TaskType, header_constants, ptr, register, scalar
 from ..tensors import as_ref
 from .shapes import check_shape
 from .tiling import even_tiles, require
@@ -32,9 +32,18 @@ ATTN_HD = (64, 128)
 ATTN_MAX_GROUP = 16       # n_q / n_kv; an instance serves at most ATTN_SUBGROUP of them
 ATTN_SUBGROUP = 8         # q heads one attention_decode instance holds in registers (its template width)
 QKV_MAX_D = 8192
+QKV_MAX_ROWS = max(ATTN_HD)  # rows of one qkv_rope_append instance (2 * half; hd <= 128)
+ATTN_STAGE_WARPS = 8      # warps attention_decode merges per shared-memory round
+LOW_REG_THREADS = 512     # threads x CTAs per SM from which the bodies budget <= 128 registers (kLowRegs)
 MODE_ROPE, MODE_NORM, MODE_CACHE, MODE_HEAD_NORM = 1, 2, 4, 8
-SMEM_QKV = 4 * (128 * 32 + 32)              # per-warp row partials for up to 128 rows x 32 warps, scratch
-SMEM_ATTN_MERGE = 4 * 8 * 8 * (128 + 2)     # 8 warps x group 8 x (hd 128 + m, l) merge stage
+SMEM_QKV = 4 * (QKV_MAX_ROWS * 32 + 32)     # per-warp row partials for up to 128 rows x 32 warps, scratch
+SMEM_ATTN_MERGE = 4 * ATTN_STAGE_WARPS * ATTN_SUBGROUP * (max(ATTN_HD) + 2)   # [warp][group][hd + m, l]
+ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
+# declared here, emitted into the kernel as megart_attn::k* before tasks/attention_common.cuh
+header_constants(ATTENTION_HEADERS[0], "megart_attn", {
+    "kModeRope": MODE_ROPE, "kModeNorm": MODE_NORM, "kModeCache": MODE_CACHE, "kModeHeadNorm": MODE_HEAD_NORM,
+    "kQkvMaxD": QKV_MAX_D, "kQkvMaxRows": QKV_MAX_ROWS, "kAttnStageWarps": ATTN_STAGE_WARPS,
+    "kLowRegThreads": LOW_REG_THREADS})
 ATTN_RING = 64 * 1024                       # attention_decode's K/V ring (MEGART_ATTN_RING_BYTES), any thread count
 SMEM_ATTN = max(SMEM_ATTN_MERGE, ATTN_RING)  # the merge reuses the ring's bytes once it is drained
 
@@ -183,11 +192,9 @@ def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, **_):
     return Cost(bytes=nbytes, flops=2 * wr.count)
 
 
-ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
-
 
 register(TaskType(
-    name="qkv_rope_append", id=64,
+    name="qkv_rope_append", id=64, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:qkv_rope_append",
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
             ptr("cos", "f32", "weight"), ptr("sin", "f32", "weight"), ptr("pos", "i32", "in"),
             ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"), ptr("head_norm", "bf16", "weight"),
@@ -301,13 +308,13 @@ def body_defines(hd: int, group: int) -> dict:
 
 def attn_ring_bytes(cfg) -> int:
     """attention_decode's K/V ring in a kernel built with `cfg` (codegen.KernelConfig): MEGART_ATTN_RING_BYTES
-    when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under 512 threads (the body's
+    when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under LOW_REG_THREADS threads (the body's
     !kLowRegs case), 0 otherwise (the register path, as before the ring)."""
     from ..config import caller_macros
     forced = caller_macros(cfg).get("MEGART_ATTN_RING_BYTES")
     if forced is not None:
         return int(forced)
-    return ATTN_RING if cfg.min_blocks == 1 and cfg.threads < 512 else 0
+    return ATTN_RING if cfg.min_blocks == 1 and cfg.threads < LOW_REG_THREADS else 0
 
 
 def _attn_smem(cfg) -> int:
@@ -319,7 +326,7 @@ def _attn_defines(cfg) -> dict:
 
 
 register(TaskType(
-    name="attention_decode", id=65,
+    name="attention_decode", id=65, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:attention_decode",
     params=(ptr("q", "bf16", "in"), ptr("k_cache", "bf16", "in"), ptr("v_cache", "bf16", "in"),
             ptr("pos", "i32", "in"), ptr("part_o", "f32", "out"), ptr("part_ml", "f32", "out"),
             scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("max_seq"),
@@ -382,7 +389,7 @@ def _merge_cost(*, n_q, n_kv, hd, chunks, **_):
 
 
 register(TaskType(
-    name="attention_merge", id=66,
+    name="attention_merge", id=66, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:attention_merge",
     params=(ptr("out", "bf16", "out"), ptr("part_o", "f32", "in"), ptr("part_ml", "f32", "in"),
             scalar("nheads"), scalar("group"), scalar("hd"), scalar("chunks"), scalar("g0")),
     source="tasks/attention_merge.cuh", headers=ATTENTION_HEADERS, reference=_merge_ref, split=_merge_split, cost=_merge_cost,

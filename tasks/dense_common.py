@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import header_constants
-from ..tensors import TensorRef, as_ref
+from ..tensors import DTYPES, TensorRef, as_ref
 from .tiling import require
 
 HEADERS = ("tasks/dense_common.cuh",)   # helpers every dense body uses, emitted once per kernel
@@ -33,8 +33,9 @@ ALIGN_BYTES = 16               # every vector-loaded operand starts on a 16-byte
 # filled by TMA bulk copies that the prewait starts before the instance's wait. Python decides the
 # slot count (the C++ reads MEGART_DENSE_RING_SLOTS / _OFFSET) and sizes shared memory with it.
 # Off unless asked for (MEGART_DENSE_RING_SLOTS=2 or 3 at 256 threads): measured on the H200 it brings
-# the LM head from 0.95 to 1.00 of the read floor alone, but makes the Llama-1B step slower
-# (1,056 -> 1,274-1,321 us; bench/RESULTS.md), so the register engine is the default.
+# the LM head from 0.94 to 1.00-1.02 of the read floor alone, but makes the Llama-1B step slower
+# (1,056.0 -> 1,274.4-1,320.9 us; bench/RESULTS.md, "Weight ring and attention ring"), so the register
+# engine is the default.
 SLOT_BYTES = 2 * 256 * 16      # kSlotBytes: 2 rows x kStageChunks (32 lanes x kUnroll 8) x 16 B
 RING_OFFSET = STAGE_SMEM       # after x staging; a multiple of 128
 assert RING_OFFSET % 128 == 0
@@ -74,6 +75,27 @@ def defines_for(cfg) -> dict:
     return {"MEGART_DENSE_RING_SLOTS": slots, "MEGART_DENSE_RING_OFFSET": RING_OFFSET,
             "MEGART_DENSE_RING_HEAD_BYTES": ring_head_bytes(cfg.threads, slots),
             "MEGART_DENSE_RING_SLOT_BYTES": SLOT_BYTES}
+
+
+def wrappers(*weights: str, ring: bool):
+    """TaskType.generated of a dense matvec type: megart_prefetch_<name>, thread 0 handing the head of each
+    of `weights` (n x k elements) to the L2 prefetcher, each its share of kPrefetchBytes; with `ring`, also
+    megart_prewait_<name> / megart_drain_<name>, which fill the weight ring from plan_<name>(p) (defined by
+    the body) and wait it out. Generated from the declaration, so no body file spells them out again."""
+    def emit(t) -> str:
+        head = "template <class P>\n__device__ __forceinline__ void "
+        share = "" if len(weights) == 1 else f", megart::dense::kPrefetchBytes / {len(weights)}"
+        calls = [f"megart::dense::prefetch_head(p.{w}, {DTYPES[t.param(w).dtype][2]}ull * p.n * p.k{share});"
+                 for w in weights]
+        body = f"  if (threadIdx.x == 0) {calls[0]}" if len(calls) == 1 else \
+            "  if (threadIdx.x == 0) {\n" + "".join(f"    {c}\n" for c in calls) + "  }"
+        out = f"{head}{t.prefetch_name}(const P& p) {{\n{body}\n}}\n"
+        if ring:
+            out += (f"\n{head}{t.prewait_name}(const P& p, char* smem) {{\n"
+                    f"  megart::dense::ring_fill({t.plan_name}(p), smem);\n}}\n"
+                    f"\n{head}{t.drain_name}(const P&, char* smem) {{\n  megart::dense::ring_drain(smem);\n}}\n")
+        return out
+    return emit
 
 
 def ref(task: str, value, name: str) -> TensorRef:

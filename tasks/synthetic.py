@@ -55,7 +55,7 @@ def _copy_ref(p) -> None:
 
 
 register(TaskType(
-    name="copy", id=4,
+    name="copy", id=4, gate="megart.faithful.gates:copy",
     params=(ptr("dst", "f32", "out"), ptr("src", "f32", "in"), scalar("n")),
     source="tasks/copy.cuh", reference=_copy_ref,
     split=lambda nw, tiles=1, dst=None, src=None: _elementwise_split("copy", nw, tiles, dst, src),
@@ -71,7 +71,7 @@ def _axpy_ref(p) -> None:
 
 
 register(TaskType(
-    name="axpy", id=5,
+    name="axpy", id=5, gate="megart.faithful.gates:axpy",
     params=(ptr("y", "f32", "inout"), ptr("x", "f32", "in"), scalar("a", "f32"), scalar("n")),
     source="tasks/axpy.cuh", reference=_axpy_ref,
     split=lambda nw, tiles=1, y=None, x=None, a=1.0: _elementwise_split("axpy", nw, tiles, y, x, a=float(a)),
