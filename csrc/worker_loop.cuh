@@ -77,8 +77,10 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
         const unsigned need = (unsigned)((long long)d.hdr[kHdr_wait_count + k] * gen);
         const int ev = d.hdr[kHdr_wait_event + k];
 #ifdef MEGART_TP
-        if (ev < 0) {  // a peer event: other ranks count it up (system scope)
-          go = wait_event<true>(events, -1 - ev, need, ctrl, watchdog_ns, site);
+        // A peer event: other ranks count it up (system scope). It gives up at half the limit, so a dead
+        // or stalled peer is recorded here, not at a local wait that queued up behind this one.
+        if (ev < 0) {
+          go = wait_event<true>(events, -1 - ev, need, ctrl, watchdog_ns >> 1, site);
           continue;
         }
 #endif

@@ -120,7 +120,12 @@ class SymmetricPeers(_Layout):
         self._handles = []           # keep every symmetric allocation and its handle alive
 
     def _symmetric(self, nbytes: int):
+        import warnings
         import torch.distributed._symmetric_memory as symm_mem
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):      # needed by older torch, a no-op in newer
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(self.group.group_name)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         buf.zero_()
         hdl = symm_mem.rendezvous(buf, self.group.group_name)
@@ -159,3 +164,19 @@ class SymmetricPeers(_Layout):
     def barrier(self) -> None:
         torch.cuda.synchronize(self.device)
         self.dist.barrier(self.group)
+
+
+def init_process_group() -> tuple:
+    """Start torch.distributed for a torchrun-launched rank (NCCL backend, this rank's GPU = LOCAL_RANK), with
+    NVLink multicast off; returns (rank, world, device). Idempotent."""
+    import torch.distributed as dist
+    for k, v in NO_MULTICAST.items():
+        if os.environ.setdefault(k, v) != v:
+            raise DeviceError(f"{k}={os.environ[k]!r}: NVLink multicast must stay off ({k}={v})")
+    if "LOCAL_RANK" not in os.environ:
+        raise DeviceError("not launched by torchrun: run scripts/tp_run.sh (torchrun --nproc-per-node N)")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=device)
+    return dist.get_rank(), dist.get_world_size(), device

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import GraphError
-from .llama import LlamaModel, default_tiles
+from .llama import LlamaModel
 from .llama_config import LlamaConfig, LlamaWeights, make_kv_cache, make_weights
 
 
