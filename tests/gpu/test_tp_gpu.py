@@ -34,6 +34,8 @@ def group():
     one = llama.LlamaModel(cfg, W, clone_kv(kv), device=dev)
     tp = LlamaTPRank(cfg, W, kv, peers=SymmetricPeers(device=dev), device=dev, watchdog_s=2.0)
     del W, kv
+    torch.cuda.synchronize()
+    torch.distributed.barrier()          # ranks start stepping together (peer waits give up after 1 s here)
     yield cfg, rank, world, one, tp
     torch.distributed.barrier()
 
