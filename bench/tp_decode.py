@@ -118,7 +118,7 @@ def time_nccl_allreduce(d, rounds, dev, timer, n) -> float:
             dist.all_reduce(x)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):   # (NCCL's watchdog thread polls events)
         for _ in range(rounds):
             dist.all_reduce(x)
     dist.barrier()
@@ -163,7 +163,8 @@ class TorchTP(Reference):
         parts = torch.empty(self.world * 2, 1, device=part.device)
         dist.all_gather_into_tensor(parts, part)
         parts = parts.view(self.world, 2)
-        token.copy_(parts[torch.argmax(parts[:, 0]), 1].long().view(1))
+        best = torch.argmax(parts[:, 0], dim=0, keepdim=True)        # (no host sync: capturable)
+        token.copy_(parts[:, 1].index_select(0, best).long())
         return logits
 
 
@@ -180,7 +181,7 @@ def time_torch_tp(cfg, lc, Ws, kvs, world, rank, timer, n) -> float:
     torch.cuda.current_stream().wait_stream(s)
     pos.fill_(cfg.prefill)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):   # (NCCL's watchdog thread polls events)
         ref.decode_step_(token, pos)
 
     def reset():
@@ -222,7 +223,7 @@ def greedy_relerr(one, tp, cfg, world, rank, steps, dev) -> dict:
         t = int(toks[s])
     tp.sync()
     return dict(relerr=max(errs) if errs else None, relerr_median=med(errs) if errs else None,
-                token_agreement=f"{agree}/{steps}" if rank == 0 else None, steps=steps)
+                token_agreement=f"{agree}/{steps}" if rank == 0 else None, greedy_steps=steps)
 
 
 def main(argv=None):

@@ -4,11 +4,14 @@ Every rank runs its own persistent megakernel over its shard, one launch per ste
 partial sums inside the kernels through peer events (no host work, no NCCL call per step):
 
     qkv_rope_append, attention, merge       this rank's q heads and kv heads (column-parallel by heads)
-    o_proj gemv (no residual) -> slot r     row-parallel: a d-sized bf16 partial in this rank's slot
-    peer_copy slot r -> each peer's slot r  then signals the peer event on that peer (system scope)
-    tp_sum  (waits the peer event)          x = residual + slot 0 + ... + slot tp-1 (same bits everywhere)
+    o_proj gemv_partial -> slot r           row-parallel: a d-sized f32 partial in this rank's slot; at TP=2
+                                            each instance also stores its rows into the peer's slot r and
+                                            signals the peer event there (system scope)
+    peer_copy slot r -> each peer's slot r  (TP > 2) then signals the peer event on that peer
+    tp_sum_f32 (waits the peer event)       x = residual + slot 0 + ... + slot tp-1, one bf16 rounding
+                                            (same bits on every rank)
     gate_up_silu                            this rank's ffn columns (column-parallel)
-    down gemv / peer_copy / tp_sum          as o_proj
+    down gemv_partial / peer_copy / tp_sum_f32   as o_proj
     lm_head_argmax on vocab rows [r V/tp, (r+1) V/tp), partials to every peer, tp_argmax_reduce (global id)
 
 The embedding table is replicated (one row is read per step); every rank feeds the same argmax back.
@@ -109,7 +112,7 @@ class LlamaTPRank(LlamaModel):
         self.logits = torch.zeros(v, dtype=torch.float32, device=self.device)
         for l in range(c.layers):
             for k in ("o", "down"):
-                P.declare(f"L{l}.{k}", self.world * c.d, torch.bfloat16)
+                P.declare(f"L{l}.{k}", self.world * c.d, torch.float32)
         P.declare("lm", self.world * 2 * self.n_parts, torch.int32)
         P.allocate()
 
@@ -172,21 +175,27 @@ class LlamaTPRank(LlamaModel):
         return [q for q in range(self.world) if q != self.rank]
 
     def _all_reduce(self, key, w, x, residual, out, after, tiles):
-        """out = residual + sum over ranks of W_rank x_rank: this rank's partial into its slot of the
+        """out = residual + sum over ranks of W_rank x_rank: this rank's f32 partial into its slot of the
         exchange buffer, the slot copied into every peer's buffer (then the peer event there), and the
-        sum once every peer's slot has landed here."""
+        sum, rounded to bf16 once, when every peer's slot has landed here."""
         d, r, T = self.cfg.d, self.rank, self.pk.tensor
         buf = self.peers.local(key)
         red = T(buf, key + ".red")
         words = T(buf.view(torch.int32), key + ".red_w")
-        g_mv = self._task(key, "gemv_m1", after, y=red.ref(r * d, d), w=w, x=x, tiles=tiles)
         ev = self.pk.peer_event(key)
-        half = d // 2                                   # bf16 pairs as 32-bit words
+        if self.world == 2:       # the GEMV pushes its rows to the one peer itself and signals it there
+            q = self._peers()[0]
+            dst = T(self.peers.remote(q, key), f"{key}.red@{q}")
+            g_mv = self._task(key, "gemv_partial", after, y=red.ref(r * d, d), peer=dst.ref(r * d, d), w=w, x=x,
+                              tiles=tiles, signals=[ev.to(q)])
+            return self._task(key + ".sum", "tp_sum_f32", [g_mv], waits=[ev], y=out, parts=red,
+                              residual=residual, tp=self.world, tiles=self.tiles["sum"])
+        g_mv = self._task(key, "gemv_partial", after, y=red.ref(r * d, d), w=w, x=x, tiles=tiles)
         for q in self._peers():
             dst = T(self.peers.remote(q, key).view(torch.int32), f"{key}.red@{q}")
-            self._task(f"{key}.put{q}", "peer_copy", [g_mv], dst=dst.ref(r * half, half),
-                       src=words.ref(r * half, half), signals=[ev.to(q)], tiles=self.tiles["put"])
-        return self._task(key + ".sum", "tp_sum", [g_mv], waits=[ev], y=out, parts=red, residual=residual,
+            self._task(f"{key}.put{q}", "peer_copy", [g_mv], dst=dst.ref(r * d, d),
+                       src=words.ref(r * d, d), signals=[ev.to(q)], tiles=self.tiles["put"])
+        return self._task(key + ".sum", "tp_sum_f32", [g_mv], waits=[ev], y=out, parts=red, residual=residual,
                           tp=self.world, tiles=self.tiles["sum"])
 
     # --- run ----------------------------------------------------------------------------------------

@@ -6,6 +6,9 @@
     113 tp_sum            y = residual + parts[0] + ... + parts[tp-1], f32 in rank order, one bf16 rounding:
                           the all-reduce's consumer, so every rank gets the same bits
     114 tp_argmax_reduce  token = argmax over every rank's LM-head partials (global vocabulary index)
+    115 gemv_partial      y = W x in f32, unrounded (a row-parallel rank's partial), optionally also
+                          stored into a peer GPU's slot (the push fused into the GEMV)
+    116 tp_sum_f32        tp_sum over f32 partials: the sum is rounded to bf16 once, as on one GPU
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import torch
 
 from ..registry import Cost, TaskType, ptr, register, scalar
 from ..tensors import as_ref
-from .dense_common import HEADERS, SCRATCH_BYTES
+from .dense_common import HEADERS, SCRATCH_BYTES, source
+from .dense_matvec import RING, _gemv_cost, _gemv_split
 from .tiling import even_tiles, require
 
 
@@ -69,10 +73,14 @@ def _sum_ref(p) -> None:
     p.y.copy_(acc.to(torch.bfloat16))
 
 
+def _sum_params(parts_dtype: str) -> tuple:
+    return (ptr("y", "bf16", "out"), ptr("parts", parts_dtype, "in"), ptr("residual", "bf16", "in", optional=True),
+            scalar("n"), scalar("stride"), scalar("tp"), scalar("flags"))
+
+
 register(TaskType(
     name="tp_sum", id=113,
-    params=(ptr("y", "bf16", "out"), ptr("parts", "bf16", "in"), ptr("residual", "bf16", "in", optional=True),
-            scalar("n"), scalar("stride"), scalar("tp"), scalar("flags")),
+    params=_sum_params("bf16"),
     source="tasks/tp_sum.cuh", reference=_sum_ref, split=_sum_split,
     cost=lambda y=None, tp=2, **_: Cost(bytes=2 * as_ref(y, "y").count * (tp + 2)),
     doc="y[i] = residual[i] + parts[0*stride+i] + ... + parts[(tp-1)*stride+i], summed in f32 in rank order "
@@ -113,3 +121,42 @@ register(TaskType(
     doc="token[0] = the global vocabulary index of the largest LM-head partial over all ranks: parts holds, "
         "per rank r, n f32 values (as bits) then n i32 rank-local rows, offset by r * vocab_per_rank (ties: "
         "the lowest index; NaN counts as -inf). One instance."), builtin=True)
+
+
+# ---- gemv_partial / tp_sum_f32 -------------------------------------------------------------------
+def _partial_split(nw, tiles=1, y=None, w=None, x=None, peer=None):
+    out = _gemv_split("gemv_partial", nw, tiles, y, w, x, None, None, 1e-5)
+    y0 = as_ref(y, "y").offset
+    pr = None if peer is None else as_ref(peer, "peer")
+    if pr is not None:
+        require(pr.count == as_ref(y, "y").count, "gemv_partial", f"peer has {pr.count} elements, y has "
+                f"{as_ref(y, 'y').count}")
+    for inst in out:
+        inst["peer"] = None if pr is None else _sub(pr, inst["y"].offset - y0, inst["n"])
+    return out
+
+
+def _partial_ref(p) -> None:
+    p.y.copy_(p.w.view(p.n, p.k).float() @ p.x.float())
+    if p.peer is not None:
+        p.peer.copy_(p.y)
+
+
+register(TaskType(
+    name="gemv_partial", id=115,
+    params=(ptr("y", "f32", "out"), ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"),
+            ptr("peer", "f32", "out", optional=True), scalar("n"), scalar("k")),
+    source=source("gemv_partial"), headers=HEADERS, reference=_partial_ref, split=_partial_split,
+    cost=_gemv_cost, prefetch=True, **RING,
+    doc="y[N] = W[N,K] @ x, f32 out with no rounding (gemv_m1's engine; no residual, no norm): a "
+        "row-parallel rank's partial, finished by tp_sum_f32. With `peer` (a peer GPU's slot), each row is "
+        "stored there too and the instance fences at system scope, so a peer signal publishes it. Tiles over "
+        "output rows."), builtin=True)
+
+register(TaskType(
+    name="tp_sum_f32", id=116,
+    params=_sum_params("f32"),
+    source="tasks/tp_sum_f32.cuh", reference=_sum_ref, split=_sum_split,
+    cost=lambda y=None, tp=2, **_: Cost(bytes=2 * as_ref(y, "y").count * (2 * tp + 2)),
+    doc="tp_sum over f32 partials (gemv_partial): y = residual + parts[0] + ... in f32, rank order, one bf16 "
+        "rounding, so the tensor-parallel sum rounds as one GPU's GEMV does. Tiles over y."), builtin=True)
