@@ -8,8 +8,10 @@ __device__ __forceinline__ auto plan_gemv_partial(const P& p) {
   return MatvecPlan<PairRows>{(p.n + 1) >> 1, p.k >> 3, PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}};
 }
 
+// Not inlined into the dispatch switch: a kernel holding every built-in type (tests/test_compile.py, 512
+// threads = 128 registers) spilled 8 bytes with a second inlined matvec engine beside gemv_m1's.
 template <class P>
-__device__ __forceinline__ void megart_task_gemv_partial(const P& p, char* smem) {
+__device__ __noinline__ void megart_task_gemv_partial(const P& p, char* smem) {
   using namespace megart;
   using namespace megart::dense;
   uint4* xs = xs_of(smem);

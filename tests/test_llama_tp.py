@@ -75,6 +75,8 @@ def test_llama8b_rank_compiles_clean():
     r = m.pk.report
     assert "#define MEGART_TP 2" in m.pk.source.text
     assert r.spill_stores == 0 and r.spill_loads == 0, r
+    spills = [ln for ln in m.pk.compiled.log.splitlines() if "spill" in ln]   # the kernel and gemv_partial
+    assert len(spills) >= 2 and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills), spills
     assert m.pk.occupancy.per_sm >= 1
     peers_events = [e for e in m.pk.schedule.events if e.peer]
     assert len(peers_events) == 2 * cfg.layers + 1

@@ -139,3 +139,35 @@ def test_tp_kernel_compiles_with_peer_paths_only_when_used():
     plain.task("copy", dst=y, src=x)
     plain.compile()
     assert "#define MEGART_TP" not in plain.source.text
+
+
+def test_gemv_partial_and_tp_argmax_bodies_in_the_host_simulation():
+    """The CUDA bodies themselves (g++, one CTA as fibers): gemv_partial's f32 rows, also stored into the
+    peer slot, and tp_argmax_reduce's global index, against the references."""
+    from megart.emulate import hostsim
+    g = torch.Generator().manual_seed(5)
+    n, k = 96, 512
+    pk = megart.PersistentKernel(nw=8, device="cpu")
+    w = pk.tensor((torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16), "w")
+    x = pk.tensor(torch.randn(k, generator=g).to(torch.bfloat16), "x")
+    y = pk.tensor(torch.zeros(n), "y")
+    peer = pk.tensor(torch.zeros(n), "peer")
+    pk.task("gemv_partial", y=y, w=w, x=x, peer=peer, tiles=5)
+    parts = torch.zeros(2 * 2 * 3, dtype=torch.int32)
+    vals = torch.tensor([[0.5, 2.0, -1.0], [2.0, float("nan"), 1.0]])
+    rows = torch.tensor([[4, 9, 1], [3, 7, 0]], dtype=torch.int32)
+    for r in range(2):
+        parts[r * 6:r * 6 + 3] = vals[r].view(torch.int32)
+        parts[r * 6 + 3:r * 6 + 6] = rows[r]
+    tp = pk.tensor(parts, "parts")
+    tok = pk.tensor(torch.zeros(1, dtype=torch.int32), "tok")
+    pk.task("tp_argmax_reduce", token=tok, parts=tp, n=3, tp=2, vocab_per_rank=10)
+    pk.compile()
+    assert pk.report.spill_bytes == 0
+    want = w.data.float() @ x.data.float()
+    out = hostsim.run(pk, seed=2)
+    assert torch.allclose(out["y"], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out["peer"], out["y"])
+    assert int(out["tok"][0]) == 9           # 2.0 at rank 0 row 9 and rank 1 row 3 (= 13): lowest id wins
+    emu = pk.emulate()
+    assert torch.equal(emu["tok"], out["tok"]) and torch.allclose(emu["y"], out["y"], rtol=1e-5, atol=1e-5)
