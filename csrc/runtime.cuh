@@ -21,6 +21,14 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   return v;
 }
 
+// Peer events (tensor-parallel builds) are counted up by another GPU over NVLink: the waiter's acquire
+// and the signaller's release are then at system scope, so the peer's stores before its signal are seen.
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ long long ld_relaxed(const long long* p) {
   long long v;
   asm volatile("ld.relaxed.gpu.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -31,6 +39,17 @@ __device__ __forceinline__ long long ld_relaxed(const long long* p) {
 __device__ __forceinline__ void signal_event(unsigned* events, int ev) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(events + ev) : "memory");
 }
+
+#ifdef MEGART_TP
+// A peer signal word (megart/layout.py) counts event e up on rank q; ctrl[kCtrlWords + q] is the address,
+// mapped on this GPU, of rank q's counters.
+__device__ __forceinline__ void signal_peer(const long long* ctrl, int word) {
+  const unsigned v = (unsigned)(-1 - word);
+  unsigned* base = reinterpret_cast<unsigned*>(ctrl[kCtrlWords + (v >> kPeerRankShift)]);
+  asm volatile("red.release.sys.global.add.u32 [%0], 1;" ::"l"(base + (v & ((1u << kPeerRankShift) - 1)))
+               : "memory");
+}
+#endif
 
 // The CTA's compute threads (MEGART_THREADS) synchronise here. With the weight stream a producer warp
 // runs beside them and never joins: barrier 1 counts the compute threads only, and codegen maps
@@ -64,15 +83,16 @@ __device__ __noinline__ void raise_hang(long long* ctrl, const WaitSite& s, int 
 }
 
 // Spin until events[ev] reaches `need` (counters only grow; compared modulo 2^32). Returns false if
-// the watchdog fired here or anywhere else. The timer is read only on the slow path.
+// the watchdog fired here or anywhere else. The timer is read only on the slow path. kSys: a peer event.
+template <bool kSys = false>
 __device__ __forceinline__ bool wait_event(unsigned* events, int ev, unsigned need, long long* ctrl,
                                            long long watchdog_ns, const WaitSite& site) {
   const unsigned* p = events + ev;
-  unsigned have = ld_acquire(p);
+  unsigned have = kSys ? ld_acquire_sys(p) : ld_acquire(p);
   if ((int)(have - need) >= 0) return true;
   const unsigned long long start = globaltimer();
   for (unsigned iter = 1;; ++iter) {
-    have = ld_acquire(p);
+    have = kSys ? ld_acquire_sys(p) : ld_acquire(p);
     if ((int)(have - need) >= 0) return true;
     if ((iter & 31) == 0) {
       if (ld_relaxed(ctrl + kCtrl_abort) != 0) return false;

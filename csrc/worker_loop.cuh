@@ -15,9 +15,19 @@
 #pragma once
 namespace megart {
 
-__device__ __forceinline__ void signal_all(const TaskDesc& d, unsigned* events) {
+__device__ __forceinline__ void signal_all(const TaskDesc& d, unsigned* events, const long long* ctrl) {
   // red.release at gpu scope after the CTA barrier publishes every thread's writes (CUTLASS's pattern)
-  for (int k = 0; k < d.hdr[kHdr_n_signal]; ++k) signal_event(events, d.hdr[kHdr_signal_event + k]);
+  for (int k = 0; k < d.hdr[kHdr_n_signal]; ++k) {
+    const int ev = d.hdr[kHdr_signal_event + k];
+#ifdef MEGART_TP
+    if (ev < 0) {  // a peer event on another rank (system scope)
+      signal_peer(ctrl, ev);
+      continue;
+    }
+#endif
+    signal_event(events, ev);
+  }
+  (void)ctrl;
 }
 
 __device__ __forceinline__ void stage_words(TaskDesc& dst, const TaskDesc& src) {
@@ -57,7 +67,7 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
 #ifdef MEGART_PROFILE
       t_wait = globaltimer();
 #endif
-      if (d.hdr[kHdr_flags] & kFlagSignalFirst) signal_all(d, events);
+      if (d.hdr[kHdr_flags] & kFlagSignalFirst) signal_all(d, events, ctrl);
       const WaitSite site{w, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance]};
 #if MEGART_STREAM_SLOTS > 0
       stream_note(site.queue_pos, site.type, site.instance);
@@ -65,7 +75,16 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
       int go = 1;
       for (int k = 0; k < d.hdr[kHdr_n_wait] && go; ++k) {
         const unsigned need = (unsigned)((long long)d.hdr[kHdr_wait_count + k] * gen);
-        go = wait_event(events, d.hdr[kHdr_wait_event + k], need, ctrl, watchdog_ns, site);
+        const int ev = d.hdr[kHdr_wait_event + k];
+#ifdef MEGART_TP
+        // A peer event: other ranks count it up (system scope). It gives up at half the limit, so a dead
+        // or stalled peer is recorded here, not at a local wait that queued up behind this one.
+        if (ev < 0) {
+          go = wait_event<true>(events, -1 - ev, need, ctrl, watchdog_ns >> 1, site);
+          continue;
+        }
+#endif
+        go = wait_event(events, ev, need, ctrl, watchdog_ns, site);
       }
       s_go = go;
     }
@@ -86,7 +105,7 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
 #ifdef MEGART_PROFILE
       const unsigned long long t_end = globaltimer();
 #endif
-      if (!(d.hdr[kHdr_flags] & kFlagSignalFirst)) signal_all(d, events);
+      if (!(d.hdr[kHdr_flags] & kFlagSignalFirst)) signal_all(d, events, ctrl);
 #ifdef MEGART_PROFILE
       span_record(sink, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance], w, t_wait, t_begin, t_end, gen);
 #endif

@@ -123,6 +123,7 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
           f"#define MEGART_THREADS {cfg.threads}\n#define MEGART_BLOCK_THREADS {lay.block_threads(cfg.threads)}\n"
           f"#define MEGART_MIN_BLOCKS {cfg.min_blocks}\n"
           + ("#define MEGART_PROFILE 1\n" if cfg.profile else "")
+          + (f"#define MEGART_TP {cfg.tp}\n" if cfg.tp > 1 else "")
           + "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items())))
     w.add(layout_header(), "megart/layout.py")
     text, path = read_source("csrc/runtime.cuh", root)

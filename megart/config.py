@@ -12,6 +12,7 @@ class KernelConfig:
     profile: bool = False
     min_blocks: int = 1         # __launch_bounds__ minimum CTAs per SM (2 when nw exceeds the SM count)
     defines: dict = field(default_factory=dict)   # tuning macros (e.g. MEGART_PREFETCH_KB), part of the cache key
+    tp: int = 1                 # ranks of a tensor-parallel group, when the graph uses peer events (MEGART_TP)
 
 
 def env_defines() -> dict:

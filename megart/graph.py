@@ -18,9 +18,24 @@ from .tensors import Tensor, TensorRef, as_ref
 
 @dataclass(frozen=True)
 class Event:
-    """A user-declared event: instances that list it in `signals` count it up; waiters need all of them."""
+    """A user-declared event: instances that list it in `signals` count it up; waiters need all of them.
+    A *peer* event (Graph.peer_event) lives in every rank of a tensor-parallel group: an instance signals
+    it on another rank with `signals=[ev.to(rank)]`, and a waiter needs every peer's signals of the step."""
     index: int
     name: str
+    peer: bool = False
+
+    def to(self, rank: int) -> "PeerSignal":
+        if not self.peer:
+            raise GraphError(f"event {self.name!r} is local; only a peer_event() is signalled on another rank")
+        return PeerSignal(self, rank)
+
+
+@dataclass(frozen=True)
+class PeerSignal:
+    """Count peer event `event` up on rank `rank` (after the instance's body, release at system scope)."""
+    event: Event
+    rank: int
 
 
 @dataclass
@@ -54,9 +69,10 @@ class Group:
 
 
 class Graph:
-    def __init__(self, nw: int, device):
+    def __init__(self, nw: int, device, rank: int = 0, world: int = 1):
         self.nw = nw
         self.device = device
+        self.rank, self.world = rank, world      # this graph's place in a tensor-parallel group
         self.tensors: dict[str, Tensor] = {}
         self.instances: list[Instance] = []
         self.groups: list[Group] = []
@@ -80,6 +96,24 @@ class Graph:
         ev = Event(len(self.events), name or f"event{len(self.events)}")
         self.events.append(ev)
         return ev
+
+    def peer_event(self, name: str) -> Event:
+        """An event every rank of the group declares under the same name, in the same order; peers count it
+        up on this rank with signals=[ev.to(this rank)] (docs/TP.md)."""
+        if self.world < 2:
+            raise GraphError(f"peer_event({name!r}): this kernel is not part of a tensor-parallel group "
+                             "(PersistentKernel(peers=...) with a world of 2 or more)")
+        if not isinstance(name, str) or not name:
+            raise GraphError("a peer event needs a name (ranks match their peer events by name and order)")
+        if any(e.peer and e.name == name for e in self.events):
+            raise GraphError(f"a peer event named {name!r} already exists")
+        ev = Event(len(self.events), name, peer=True)
+        self.events.append(ev)
+        return ev
+
+    @property
+    def peer_events(self) -> list:
+        return [e for e in self.events if e.peer]
 
     def barrier(self) -> Group:
         """A grid barrier: every worker arrives; nothing after it starts until all have arrived."""
@@ -109,9 +143,11 @@ class Graph:
         waits, signals, after = (_as_list(ttype.name, k, v) for k, v in
                                  (("waits", waits), ("signals", signals), ("after", after)))
         for ev in (*waits, *signals):
-            if not isinstance(ev, Event) or ev.index >= len(self.events) or self.events[ev.index] is not ev:
+            target = ev.event if isinstance(ev, PeerSignal) else ev
+            if not isinstance(target, Event) or target.index >= len(self.events) or self.events[target.index] is not target:
                 raise GraphError(f"{ttype.name}: waits/signals take events made by this kernel's event(), "
                                  f"got {ev!r}")
+        self._check_peer(ttype.name, waits, signals)
         per_instance = self._split(ttype, tiles, args)
         self._check_weights(ttype, per_instance)
         workers = self._workers(ttype, worker, len(per_instance))
@@ -134,6 +170,19 @@ class Graph:
         return g
 
     # --- helpers ------------------------------------------------------------------------------
+    def _check_peer(self, task: str, waits: list, signals: list) -> None:
+        for ev in waits:
+            if isinstance(ev, PeerSignal):
+                raise GraphError(f"{task}: waits=[...] takes the peer event itself ({ev.event.name!r}), not "
+                                 f".to(rank): a waiter needs the signals of every peer")
+        for ev in signals:
+            if isinstance(ev, Event) and ev.peer:
+                raise GraphError(f"{task}: peer event {ev.name!r} is signalled on another rank: "
+                                 f"signals=[ev.to(rank)]")
+            if isinstance(ev, PeerSignal) and not (0 <= ev.rank < self.world and ev.rank != self.rank):
+                raise GraphError(f"{task}: {ev.event.name!r}.to({ev.rank}) names no peer: this is rank "
+                                 f"{self.rank} of {self.world}")
+
     def _split(self, ttype: TaskType, tiles: int, args: dict) -> list[dict]:
         known = {p.name for p in ttype.params}
         if ttype.split is None:
@@ -267,7 +316,7 @@ def check_tiles(task: str, tiles) -> None:
 
 def _as_list(task: str, what: str, value) -> list:
     """waits=, signals=, after= take a list; a bare Event or Group is the usual slip."""
-    if isinstance(value, (Event, Group)) or not isinstance(value, (list, tuple, set, frozenset)):
+    if isinstance(value, (Event, PeerSignal, Group)) or not isinstance(value, (list, tuple, set, frozenset)):
         raise GraphError(f"{task}: {what}= takes a list (e.g. {what}=[x]), got {_group_name(value)}")
     return list(value)
 

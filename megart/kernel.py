@@ -33,7 +33,10 @@ class PersistentKernel:
 
     def __init__(self, nw: int | None = None, *, device=None, arch: str | None = None, threads: int = 256,
                  profile: bool = False, profile_steps: int = 16, watchdog_s: float | None = None,
-                 source_overrides: dict | None = None, sm_count: int | None = None, defines: dict | None = None):
+                 source_overrides: dict | None = None, sm_count: int | None = None, defines: dict | None = None,
+                 peers=None):
+        """peers: this kernel's rank of a tensor-parallel group (megart.peer_memory): its graph may then
+        declare peer events (peer_event) that other ranks count up (docs/TP.md)."""
         sm_count = options.check_sm_count(sm_count)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,7 +70,9 @@ class PersistentKernel:
         self.source_overrides = options.check_overrides(source_overrides or {})
         self.defines = options.check_defines(defines or {})   # tuning macros (see codegen.env_defines)
         codegen.env_defines()                # a malformed MEGART_DEFINES fails here, naming itself
-        self.graph = Graph(self.nw, self.device)
+        self.peers = peers
+        rank, world = (peers.rank, peers.world) if peers is not None else (0, 1)
+        self.graph = Graph(self.nw, self.device, rank, world)
         self.schedule: Schedule | None = None
         self.compiled: Compiled | None = None
         self.source = None
@@ -92,6 +97,9 @@ class PersistentKernel:
     def barrier(self):
         return self._building().barrier()
 
+    def peer_event(self, name: str):
+        return self._building().peer_event(name)
+
     # --- compile ----------------------------------------------------------------------------------
     @property
     def task_types(self) -> list:
@@ -100,7 +108,8 @@ class PersistentKernel:
     def kernel_config(self) -> codegen.KernelConfig:
         """What the generated source is specialised on (CTA size, CTAs per SM, profiling, macros)."""
         return codegen.KernelConfig(threads=self.threads, profile=self.profiling,
-                                    min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=self.defines)
+                                    min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=self.defines,
+                                    tp=self.graph.world if self.graph.peer_events else 1)
 
     def stream_layout(self) -> stream.StreamLayout:
         """The weight stream's ring in this kernel (megart/stream.py): slots per warp, offset, types."""
@@ -132,7 +141,10 @@ class PersistentKernel:
         self.schedule = schedule
         if self.device.type == "cuda":
             from .launch import DeviceRuntime
-            self._rt = DeviceRuntime(self.compiled.cubin, schedule, self.device, block, smem)
+            events, bases = (None, ())
+            if self.graph.peer_events:     # counters the peers count up live in peer-mapped memory
+                events, bases = self.peers.event_buffer(len(schedule.events), self.device)
+            self._rt = DeviceRuntime(self.compiled.cubin, schedule, self.device, block, smem, events, bases)
             driver_fit = self._rt.driver_blocks_per_sm(block)
             if driver_fit < self.occupancy.per_sm:
                 self.occupancy = occupancy.Occupancy(driver_fit, self.occupancy.limiter + " (driver)",
@@ -173,11 +185,16 @@ class PersistentKernel:
         if ctrl[CTRL["abort"]]:
             rec = self._hang_record(ctrl)
             self._rt.reset_after_abort()
+            peer = ""
+            if rec["peer"]:
+                peer = (f" It is a peer event: rank {self.graph.rank}'s peers count it up, so a peer died, stalled or "
+                        "never launched this step. Reset every rank (megart.models.llama_tp.reset_group) before "
+                        "the next step.")
             raise HangError(
                 f"watchdog: worker {rec['worker']} waited over {self.watchdog_s:g} s at queue position "
                 f"{rec['queue_pos']} ({rec['task']}#{rec['instance']}) on event {rec['event']} "
                 f"{rec['event_name']!r}: have {rec['have']}, need {rec['need']}. All workers returned; "
-                "the counters were reset, so the next launch starts from step 1.", record=rec)
+                "the counters were reset, so the next launch starts from step 1." + peer, record=rec)
         return int(ctrl[CTRL["step"]])
 
     def __call__(self, steps: int = 1) -> int:
@@ -197,6 +214,7 @@ class PersistentKernel:
         return dict(worker=int(ctrl[CTRL["hang_worker"]]), queue_pos=int(ctrl[CTRL["hang_queue_pos"]]),
                     task=name, task_id=tid, instance=int(ctrl[CTRL["hang_instance"]]), event=ev,
                     event_name=events[ev].name if 0 <= ev < len(events) else stream.hang_site(ev),
+                    peer=bool(0 <= ev < len(events) and events[ev].peer),
                     have=int(ctrl[CTRL["hang_have"]]), need=int(ctrl[CTRL["hang_need"]]))
 
     @property

@@ -10,7 +10,8 @@ import torch
 
 from .codegen import KERNEL_NAME
 from .errors import DeviceError, HangError
-from .layout import CTRL, CTRL_WORDS, DESC_WORDS, HEADER_INTS, SPAN_WORDS, header_offsets
+from .layout import (CTRL, CTRL_WORDS, DESC_WORDS, HEADER_INTS, SPAN_WORDS, header_offsets, peer_signal_word,
+                     peer_wait_word)
 from .schedule import Schedule
 from .tensors import TensorRef
 
@@ -33,10 +34,11 @@ def pack_descriptors(s: Schedule) -> tuple[np.ndarray, np.ndarray]:
             h[off["instance"]] = uid
             h[off["flags"]] = s.flags(uid)
             h[off["queue_pos"]] = pos
-            waits, signals = s.waits[uid], s.signals[uid]
+            waits = s.waits[uid]
+            signals = s.signals[uid] + [peer_signal_word(e, q) for e, q in s.peer_signals.get(uid, ())]
             h[off["n_wait"]], h[off["n_signal"]] = len(waits), len(signals)
             for k, e in enumerate(waits):
-                h[off["wait_event"] + k] = e
+                h[off["wait_event"] + k] = peer_wait_word(e) if s.events[e].peer else e
                 h[off["wait_count"] + k] = s.events[e].count
             for k, e in enumerate(signals):
                 h[off["signal_event"] + k] = e
@@ -58,7 +60,10 @@ def pack_descriptors(s: Schedule) -> tuple[np.ndarray, np.ndarray]:
 class DeviceRuntime:
     """Owns the loaded module and the device buffers of one compiled kernel."""
 
-    def __init__(self, cubin: bytes, schedule: Schedule, device: torch.device, threads: int, smem_bytes: int):
+    def __init__(self, cubin: bytes, schedule: Schedule, device: torch.device, threads: int, smem_bytes: int,
+                 events: torch.Tensor | None = None, peer_bases: tuple = ()):
+        """`events` / `peer_bases`: a tensor-parallel rank's counters in peer-mapped memory and the address
+        of each rank's counters as mapped here (megart.peer_memory); they go after the control block."""
         from cuda.core import Device, LaunchConfig, ObjectCode
         self.device = device
         self.dev = Device(device.index or 0)
@@ -73,10 +78,21 @@ class DeviceRuntime:
         self.total = int(starts[-1])
         self.desc = torch.from_numpy(desc).to(device)
         self.starts = torch.from_numpy(starts).to(device)
-        self.events = torch.zeros(max(len(schedule.events), 1), dtype=torch.int32, device=device)
-        self.ctrl = torch.zeros(CTRL_WORDS, dtype=torch.int64, device=device)
+        if events is None:
+            events = torch.zeros(max(len(schedule.events), 1), dtype=torch.int32, device=device)
+        elif events.numel() < len(schedule.events) or events.dtype != torch.int32:
+            raise DeviceError(f"the event buffer holds {events.numel()} {events.dtype}, the schedule needs "
+                              f"{len(schedule.events)} int32")
+        self.events = events
+        self.peer_bases = tuple(int(b) for b in peer_bases)
+        self.ctrl = torch.zeros(CTRL_WORDS + len(self.peer_bases), dtype=torch.int64, device=device)
+        self._set_peer_bases()
         self.spans: torch.Tensor | None = None
         self._streams = {}
+
+    def _set_peer_bases(self) -> None:
+        if self.peer_bases:
+            self.ctrl[CTRL_WORDS:] = torch.tensor(self.peer_bases, dtype=torch.int64)
 
     def driver_blocks_per_sm(self, threads: int) -> int:
         return self.kernel.occupancy.max_active_blocks_per_multiprocessor(threads, self.smem_bytes)
@@ -132,3 +148,4 @@ class DeviceRuntime:
         self.ctrl.zero_()
         for k, v in keep.items():
             self.ctrl[CTRL[k]] = v
+        self._set_peer_bases()

@@ -62,6 +62,22 @@ CTRL_WORDS = 16
 assert len(CTRL_FIELDS) <= CTRL_WORDS
 CTRL = {name: i for i, name in enumerate(CTRL_FIELDS)}
 
+# --- tensor-parallel builds only (MEGART_TP): peer events in descriptors, peers' counters in ctrl ----
+# A signal word < 0 counts event e up on rank q: word = -1 - (e | q << PEER_RANK_SHIFT). A wait word < 0
+# waits on peer event e = -1 - word at system scope. ctrl[CTRL_WORDS + q] holds the address, mapped
+# here, of rank q's event counters. Default kernels never see a negative word.
+PEER_RANK_SHIFT = 24
+MAX_PEER_EVENTS = 1 << PEER_RANK_SHIFT
+
+
+def peer_signal_word(event: int, rank: int) -> int:
+    return -1 - (event | rank << PEER_RANK_SHIFT)
+
+
+def peer_wait_word(event: int) -> int:
+    return -1 - event
+
+
 # --- span record: int64 words per executed instance ------------------------------------------------
 SPAN_FIELDS = ("type_id", "instance", "worker", "smid", "wait_start", "body_begin", "body_end", "step")
 SPAN_WORDS = len(SPAN_FIELDS)
@@ -81,6 +97,8 @@ def layout_header() -> str:
         f"constexpr int kDescWords = {DESC_WORDS};",
         f"constexpr int kFlagSignalFirst = {FLAG_SIGNAL_FIRST};",
         f"constexpr int kSpanWords = {SPAN_WORDS};",
+        f"constexpr int kCtrlWords = {CTRL_WORDS};",
+        f"constexpr int kPeerRankShift = {PEER_RANK_SHIFT};",
     ]
     for name, idx in header_offsets().items():
         lines.append(f"constexpr int kHdr_{name} = {idx};")

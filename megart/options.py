@@ -15,6 +15,7 @@ OWNED_MACROS = {
     "MEGART_THREADS": "the CTA size (threads=)",
     "MEGART_MIN_BLOCKS": "CTAs per SM, from nw and the SM count",
     "MEGART_PROFILE": "profiling (profile=True)",
+    "MEGART_TP": "the tensor-parallel group size, set when the graph uses peer events (peers=)",
     "MEGART_DENSE_RING_OFFSET": "the dense ring layout, computed from MEGART_DENSE_RING_SLOTS",
     "MEGART_DENSE_RING_HEAD_BYTES": "the dense ring layout, computed from MEGART_DENSE_RING_SLOTS",
     "MEGART_DENSE_RING_SLOT_BYTES": "the dense ring layout, computed from MEGART_DENSE_RING_SLOTS",

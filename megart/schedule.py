@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from . import registry
 from .errors import GraphError
-from .graph import Graph, Instance
+from .graph import Event, Graph, Instance
 from .layout import FLAG_SIGNAL_FIRST, MAX_SIGNALS, MAX_WAITS
 
 
@@ -24,6 +24,7 @@ from .layout import FLAG_SIGNAL_FIRST, MAX_SIGNALS, MAX_WAITS
 class EventInfo:
     name: str
     count: int  # signals per step; a waiter in step g needs count * g
+    peer: bool = False   # counted up by other ranks (docs/TP.md); peer events take ids 0..P-1
 
 
 @dataclass
@@ -37,6 +38,9 @@ class Schedule:
     events: list                    # event id -> EventInfo
     worker_of: dict = field(default_factory=dict)
     pos_of: dict = field(default_factory=dict)
+    peer_signals: dict = field(default_factory=dict)   # uid -> [(peer event id, rank), ...]
+    rank: int = 0
+    world: int = 1
 
     def flags(self, uid: int) -> int:
         return FLAG_SIGNAL_FIRST if self.instances[uid].is_barrier else 0
@@ -120,6 +124,16 @@ def build(graph: Graph) -> Schedule:
 
     events: list[EventInfo] = []
     event_id: dict = {}
+    # Peer events first, in declaration order, so event e is the same counter on every rank. A waiter's
+    # count is what this rank's graph signals on its peers: rank graphs built from one description are
+    # symmetric, and megart.verify.verify_ranks checks that the peers really send that many.
+    peer_count = defaultdict(int)
+    for inst in graph.instances:
+        for ps in dict.fromkeys(x for x in inst.signals if not isinstance(x, Event)):
+            peer_count[ps.event.index] += 1
+    for pe in graph.peer_events:
+        event_id[("user", pe.index)] = len(events)
+        events.append(EventInfo(f"peer {pe.name}", peer_count[pe.index], peer=True))
 
     def ev(key, name, count) -> int:
         if key not in event_id:
@@ -138,7 +152,8 @@ def build(graph: Graph) -> Schedule:
     user_count = defaultdict(int)          # user events: count = number of signalling instances
     for inst in insts:
         for e in set(inst.signals):
-            user_count[e.index] += 1
+            if isinstance(e, Event):
+                user_count[e.index] += 1
 
     waits, signals = {}, defaultdict(list)
     for inst in graph.instances:
@@ -166,12 +181,19 @@ def build(graph: Graph) -> Schedule:
             q = queues[join.worker]
             q.insert(q.index(inst.uid), join.uid)
         waits[inst.uid] = wl
+    peer_signals = defaultdict(list)
     for inst in graph.instances:
         for e in dict.fromkeys(inst.signals):
-            signals[inst.uid].append(ev(("user", e.index), e.name, user_count[e.index]))
-        if len(signals[inst.uid]) > MAX_SIGNALS:
-            raise GraphError(f"{inst.label()} must signal {len(signals[inst.uid])} events; an instance signals at "
+            if isinstance(e, Event):
+                signals[inst.uid].append(ev(("user", e.index), e.name, user_count[e.index]))
+            else:
+                peer_signals[inst.uid].append((event_id[("user", e.event.index)], e.rank))
+        n_sig = len(signals[inst.uid]) + len(peer_signals[inst.uid])
+        if n_sig > MAX_SIGNALS:
+            raise GraphError(f"{inst.label()} must signal {n_sig} events; an instance signals at "
                              f"most {MAX_SIGNALS}. Use fewer explicit signals on this call.")
     pos_of = {uid: i for q in queues for i, uid in enumerate(q)}
     signals = {inst.uid: signals.get(inst.uid, []) for inst in insts}
-    return Schedule(graph.nw, graph, insts, queues, waits, signals, events, worker_of, pos_of)
+    peer_signals = {uid: v for uid, v in peer_signals.items() if v}
+    return Schedule(graph.nw, graph, insts, queues, waits, signals, events, worker_of, pos_of, peer_signals,
+                    graph.rank, graph.world)

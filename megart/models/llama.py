@@ -110,7 +110,7 @@ class LlamaModel:
                  tiles: dict | None = None, deps: str = "infer", kv_refs: str = "partition",
                  logits: bool = True, profile: bool = False, profile_steps: int = 16, threads: int = 256,
                  watchdog_s: float | None = None, compile: bool = True, sm_count: int | None = None,
-                 defines: dict | None = None):
+                 defines: dict | None = None, peers=None):
         if deps not in ("explicit", "infer"):
             raise ValueError(f"deps must be 'explicit' or 'infer', got {deps!r}")
         if device is None:
@@ -124,7 +124,7 @@ class LlamaModel:
         self.kv = kv if kv is not None else make_kv_cache(cfg, kv_seed, self.device, init)
         self.pk = PersistentKernel(nw=nw, device=self.device, profile=profile, profile_steps=profile_steps,
                                    threads=threads, watchdog_s=watchdog_s, sm_count=sm_count,
-                                   defines={**attention_defines(cfg), **(defines or {})})
+                                   defines={**attention_defines(cfg), **(defines or {})}, peers=peers)
         self.nw = self.pk.nw
         self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
         self.deps = deps
