@@ -94,6 +94,7 @@ class LlamaTPRank(LlamaModel):
         # already this rank's shards (empty_shard, or a loader that shards on the way in): taken as they are
         W = weights if weights.cfg == lc else shard_weights(weights, self.rank, self.world)
         shard = kv if kv[0][0].shape[0] == lc.n_kv else shard_kv(kv, cfg, self.rank, self.world)
+        kw["deps"] = "explicit"  # (LlamaModel infers by default; a rank graph declares its edges)
         super().__init__(lc, W, shard, device=device, nw=nw, tiles=tiles, peers=peers, **kw)
 
     @property
