@@ -52,6 +52,18 @@ def _aligned16(ref, name, task):
     require(ref.byte_range[0] % 16 == 0, task, f"{name} must start on a 16-byte boundary (16-byte vector loads)")
 
 
+def _check_q_and_caches(T, qr, kr, vr, n_q, n_kv, hd, max_seq) -> int:
+    """q holds n_q heads, the caches n_kv heads of max_seq positions each (as declared, if declared): the
+    cache length."""
+    require(qr.count == n_q * hd, T, f"q has {qr.count} elements, expected n_q * hd = {n_q * hd}")
+    require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
+            f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
+    ms = kr.count // (n_kv * hd)
+    _check_caches(T, kr, vr, n_kv, ms, hd)
+    require(max_seq is None or max_seq == ms, T, f"max_seq={max_seq} but the caches hold {ms} positions")
+    return ms
+
+
 def _check_caches(task, kr, vr, n_kv, ms, hd):
     for r, name in ((kr, "k_cache"), (vr, "v_cache")):
         check_shape(task, r, name, (n_kv, ms, hd), "[n_kv, max_seq, hd]")
@@ -86,12 +98,7 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
     rows = (n_q + 2 * n_kv) * hd
     require(wr.count == rows * d, T, f"w_qkv has {wr.count} elements, expected (n_q + 2 n_kv) * hd * d = {rows * d}")
     check_shape(T, wr, "w_qkv", (rows, d), "[(n_q + 2 n_kv) * hd, d]")
-    require(qr.count == n_q * hd, T, f"q has {qr.count} elements, expected n_q * hd = {n_q * hd}")
-    require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
-            f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
-    ms = kr.count // (n_kv * hd)
-    _check_caches(T, kr, vr, n_kv, ms, hd)
-    require(max_seq is None or max_seq == ms, T, f"max_seq={max_seq} but the caches hold {ms} positions")
+    ms = _check_q_and_caches(T, qr, kr, vr, n_q, n_kv, hd, max_seq)
     half = hd // 2
     for ref, name in ((cr, "cos"), (sr, "sin")):
         require(ref.count % half == 0 and ref.count // half >= ms, T,
@@ -214,12 +221,7 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
     require(n_q >= 1 and n_kv >= 1 and n_q % n_kv == 0, T, f"n_q ({n_q}) must be a positive multiple of n_kv ({n_kv})")
     group = n_q // n_kv
     require(1 <= group <= ATTN_MAX_GROUP, T, f"group n_q / n_kv must be in [1, {ATTN_MAX_GROUP}], got {group}")
-    require(qr.count == n_q * hd, T, f"q has {qr.count} elements, expected n_q * hd = {n_q * hd}")
-    require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
-            f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
-    ms = kr.count // (n_kv * hd)
-    _check_caches(T, kr, vr, n_kv, ms, hd)
-    require(max_seq is None or max_seq == ms, T, f"max_seq={max_seq} but the caches hold {ms} positions")
+    ms = _check_q_and_caches(T, qr, kr, vr, n_q, n_kv, hd, max_seq)
     for ref, name in ((qr, "q"), (kr, "k_cache"), (vr, "v_cache")):
         _aligned16(ref, name, T)
     return qr, kr, vr, group, ms

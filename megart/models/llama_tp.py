@@ -130,23 +130,8 @@ class LlamaTPRank(LlamaModel):
                             tiles=tl["embedding"])
         for l in range(c.layers):
             L = W.layers[l]
-            kc, vc = self.kv[l]
             p = f"L{l}."
-            q = T(self.q[l], p + "q")
-            kct, vct = T(kc, p + "k_cache"), T(vc, p + "v_cache")
-            qk_norm = dict(q_norm=T(L["q_norm"], p + "q_norm"), k_norm=T(L["k_norm"], p + "k_norm")) if c.qk_norm else {}
-            g_qkv = self._task(p + "qkv", "qkv_rope_append", [g_prev, g_pos],
-                               q=q, k_cache=kct, v_cache=vct, w_qkv=T(L["wqkv"], p + "wqkv"), x=xs[l],
-                               norm_weight=T(L["in_norm"], p + "in_norm"), eps=eps, cos=cos, sin=sin, pos=pos,
-                               n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, kv_refs=self.kv_refs, tiles=tl["qkv"], **qk_norm)
-            po, pm = T(self.part_o[l], p + "part_o"), T(self.part_ml[l], p + "part_ml")
-            g_att = self._task(p + "attn", "attention_decode", [g_qkv],
-                               q=q, k_cache=kct, v_cache=vct, pos=pos, part_o=po, part_ml=pm, n_q=c.n_q,
-                               n_kv=c.n_kv, hd=c.hd, max_seq=c.max_seq, chunks=self.chunks,
-                               tiles=self.chunks * c.n_kv)
-            a = T(self.attn[l], p + "attn")
-            g_mrg = self._task(p + "merge", "attention_merge", [g_att], out=a, part_o=po, part_ml=pm,
-                               n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, chunks=self.chunks, tiles=tl["merge"])
+            a, g_mrg = self._attention(l, g_prev, g_pos, xs[l], pos, cos, sin)
             xm = T(self.xm[l], p + "xm")
             g_o = self._all_reduce(p + "o", T(L["wo"], p + "wo"), a, xs[l], xm, [g_mrg], tl["o"])
             h = T(self.h[l], p + "h")
