@@ -66,6 +66,12 @@ class Group:
     type: TaskType
     uids: list
     label: str
+    args: dict = field(default_factory=dict, compare=False, repr=False)   # the call's keyword arguments
+
+    def cost(self):
+        """What the call moves and computes (registry.Cost), from its task type's cost model; None without one.
+        A model may read device state (attention reads pos), so this is the cost at the state it sees now."""
+        return None if self.type.cost is None else self.type.cost(**self.args)
 
 
 class Graph:
@@ -151,7 +157,7 @@ class Graph:
         per_instance = self._split(ttype, tiles, args)
         self._check_weights(ttype, per_instance)
         workers = self._workers(ttype, worker, len(per_instance))
-        g = Group(len(self.groups), ttype, [], label or ttype.name)
+        g = Group(len(self.groups), ttype, [], label or ttype.name, dict(args))
         after_uids = set()
         for other in after:
             if not isinstance(other, Group) or other.index >= len(self.groups) or self.groups[other.index] is not other:

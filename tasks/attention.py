@@ -193,9 +193,11 @@ def _qkv_ref(p) -> None:
         p.dst2.copy_(hi.to(torch.bfloat16))
 
 
-def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, **_):
+def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, q_norm=None, **_):
     wr, d = as_ref(w_qkv, "w_qkv"), as_ref(x, "x").count
-    nbytes = wr.count * 2 + d * 2 + (d * 2 if norm_weight is not None else 0) + n_q * hd * 2 + 2 * n_kv * hd * 2
+    head_norms = 2 * hd * 2 if q_norm is not None else 0          # q_norm and k_norm gains (Qwen3), bf16 [hd] each
+    nbytes = wr.count * 2 + d * 2 + (d * 2 if norm_weight is not None else 0) + head_norms \
+        + n_q * hd * 2 + 2 * n_kv * hd * 2
     return Cost(bytes=nbytes, flops=2 * wr.count)
 
 

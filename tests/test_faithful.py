@@ -642,6 +642,8 @@ def test_timed_model_context_simulated(fake_gpu, tmp_path, capsys):
         assert r["context"] == "llama_tiny" and r["calls"] == 2 and r["samples"] == 3 * 2 * 2
         assert r["correctness"]["pass"] and r["correctness"]["model"]["available"]
         assert r["calls_under_test"][0].startswith("L0.")
+        n, k = map(int, r["shape"].split("x"))
+        assert r["bytes"] == n * k * 2 + k * 2 + 2 * n * 2      # W, x, y and the residual (cost model, per call)
     assert "correctness in context: cos 1.000000" in out
 
 

@@ -111,3 +111,14 @@ def test_a_weight_must_not_be_written(tmp_path):
     k2.task("silu_mul", h=w2.ref(0, 64), g=x2, u=x2)       # written first...
     with pytest.raises(megart.GraphError, match="read-only"):
         k2.task("gemv_m1", y=y2, w=w2, x=x2)               # ...then read as a weight
+
+
+def test_a_call_knows_its_cost():
+    """A call keeps its arguments, so its cost is its task type's cost model of that very call (what the
+    faithful gate's model context reports per call); a type without a cost model has none."""
+    k = pk()
+    f, g = k.tensor(torch.zeros(64), "f"), k.tensor(torch.zeros(64), "g")
+    call = k.task("copy", dst=f.ref(0, 16), src=g.ref(0, 16), tiles=2)
+    assert call.cost().bytes == 2 * 16 * 4
+    assert call.args["dst"].count == 16
+    assert k.task("noop").cost() is None

@@ -31,6 +31,11 @@ def _multiple(what: str, v: int, m: int) -> None:
         raise ValueError(f"{what}={v} must be a multiple of {m} (16-byte vector loads)")
 
 
+def _rows_by_k(model, insts) -> tuple:
+    """A dense M = 1 call's (N, K) in a model: its tiles' output rows summed, and their common K."""
+    return (sum(i.params["n"] for i in insts), insts[0].params["k"])
+
+
 # ---- gemv_m1 -------------------------------------------------------------------------------------
 def _gemv_build(shape, *, device, seed, decode_m1=False, nw=None):
     n, k = shape
@@ -47,7 +52,7 @@ def gemv_m1() -> GateSpec:
     return GateSpec(task="gemv_m1", model_tiles=("o", "down"), dims=("N", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
                     build=_gemv_build, tiles=lambda shape, nw: nw, cpu_shape=(2048, 2048), cpu_max_elems=1 << 25, cpu_keep=("K",),
                     decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 8),
-                    extra={"elements": lambda s: s[0] * s[1]},
+                    model_shape=_rows_by_k, extra={"elements": lambda s: s[0] * s[1]},
                     doc="y[N] = W[N,K] x[K], M = 1; one tile of output rows per worker")
 
 
@@ -69,7 +74,8 @@ def gemv_m1_fp8() -> GateSpec:
     return GateSpec(task="gemv_m1_fp8", model_tiles=("o", "down", "gate_up"), dims=("N", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
                     build=_gemv_fp8_build, tiles=lambda shape, nw: nw, cpu_shape=(2048, 2048),
                     cpu_max_elems=1 << 25, cpu_keep=("K",), decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 16),
-                    extra={"elements": lambda s: s[0] * s[1]}, doc="fp8 e4m3 GEMV, per-channel scales, M = 1")
+                    model_shape=_rows_by_k, extra={"elements": lambda s: s[0] * s[1]},
+                    doc="fp8 e4m3 GEMV, per-channel scales, M = 1")
 
 
 # ---- gate_up_silu --------------------------------------------------------------------------------
@@ -88,7 +94,8 @@ def gate_up_silu() -> GateSpec:
     return GateSpec(task="gate_up_silu", model_tiles=("gate_up",), dims=("F", "K"), default_shape=(LLAMA_1B["ffn"], LLAMA_1B["d"]),
                     build=_gate_up_build, tiles=lambda shape, nw: nw, cpu_shape=(2048, 2048),
                     cpu_max_elems=1 << 25, cpu_keep=("K",), decode_m1="native", check_shape=lambda s: _multiple("K", s[1], 8),
-                    extra={"elements": lambda s: 2 * s[0] * s[1]}, doc="fused gate/up projection + SiLU, M = 1")
+                    model_shape=_rows_by_k, extra={"elements": lambda s: 2 * s[0] * s[1]},
+                    doc="fused gate/up projection + SiLU, M = 1")
 
 
 # ---- group_gemm_m1 -------------------------------------------------------------------------------
@@ -158,6 +165,7 @@ def qkv_rope_append() -> GateSpec:
                     tiles=lambda shape, nw: nw, cpu_shape=(512, 8, 2, 64, 64), cpu_max_elems=1 << 25,
                     cpu_keep=("d", "D"),
                     decode_m1="native",
+                    model_shape=lambda m, _: (m.cfg.d, m.cfg.n_q, m.cfg.n_kv, m.cfg.hd, m.cfg.prefill),
                     extra={"elements": lambda s: (s[1] + 2 * s[2]) * s[3] * (s[0] + 2 * (s[4] + 1024))},
                     doc="RMSNorm + QKV projection + RoPE + KV append for one token at pos L")
 
@@ -202,6 +210,7 @@ def attention_decode() -> GateSpec:
                     default_shape=(c["n_q"], c["n_kv"], c["hd"], c["ctx"] + 1), build=_attn_build,
                     tiles=lambda shape, nw: nw, cpu_shape=(8, 2, 64, 256), cpu_max_elems=1 << 25, cpu_keep=("D",),
                     decode_m1="native", extra={"elements": lambda s: 2 * s[1] * (s[3] + 1024) * s[2]},
+                    model_shape=lambda m, _: (m.cfg.n_q, m.cfg.n_kv, m.cfg.hd, m.cfg.prefill + 1),  # L = kv_len
                     doc="flash-decoding partials of one query token over the real KV length L")
 
 
@@ -239,4 +248,5 @@ def attention_merge() -> GateSpec:
     return GateSpec(task="attention_merge", model_tiles=("merge",), dims=("Hq", "Hkv", "D", "C"),
                     default_shape=(c["n_q"], c["n_kv"], c["hd"], 16), build=_merge_build,
                     tiles=lambda shape, nw: nw, cpu_shape=None, decode_m1="native",
+                    model_shape=lambda m, _: (m.cfg.n_q, m.cfg.n_kv, m.cfg.hd, m.chunks),
                     doc="log-sum-exp merge of attention_decode's chunk partials (16 chunks = 132 // 8)")

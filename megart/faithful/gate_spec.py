@@ -57,6 +57,9 @@ class GateSpec:
     decode_m1: str = "native"         # "native": always M = 1 | "mode": --decode-m1 selects live rows | "none"
     check_shape: Callable | None = None   # check_shape(shape) -> None or raise GraphError/ValueError
     model_tiles: tuple = ()           # the LlamaModel tile keys that size this task's calls (--context llama_*)
+    model_shape: Callable | None = None   # model_shape(model, instances) -> this spec's shape of one model call
+                                      # (--context llama_*: a LlamaModel and the call's graph Instances);
+                                      # None = the requested shape (--shape, else default_shape)
     doc: str = ""
     origin: str = "megart.faithful.gates"
     extra: dict = field(default_factory=dict)

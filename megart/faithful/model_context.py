@@ -101,41 +101,24 @@ class LlamaContext:
         return out
 
     def call_shape(self, p, m, g) -> tuple:
-        c = m.cfg
-        insts = [m.pk.graph.instances[u] for u in g.uids]
-        t = p.cfg.task
-        if t in ("gemv_m1", "gemv_m1_fp8", "gate_up_silu"):
-            return (sum(i.params["n"] for i in insts), insts[0].params["k"])
-        if t == "qkv_rope_append":
-            return (c.d, c.n_q, c.n_kv, c.hd, c.prefill)
-        if t == "attention_decode":
-            return (c.n_q, c.n_kv, c.hd, c.prefill + 1)
-        if t == "attention_merge":
-            return (c.n_q, c.n_kv, c.hd, m.chunks)
-        return tuple(p.shape)
+        """The gate spec's shape of one model call (GateSpec.model_shape); the requested shape without one."""
+        if p.spec.model_shape is None:
+            return tuple(p.shape)
+        return tuple(int(v) for v in p.spec.model_shape(m, [m.pk.graph.instances[u] for u in g.uids]))
 
-    def call_bytes(self, p, m, shape, groups) -> int | None:
-        c = m.cfg
-        t = p.cfg.task
-        insts = [m.pk.graph.instances[u] for _, g in groups[:1] for u in g.uids]
-        res = bool(insts and insts[0].params.get("flags", 0) & 1)
-        if t == "gemv_m1":
-            n, k = shape
-            return n * k * 2 + k * 2 + n * 2 * (2 if res else 1)
-        if t == "gemv_m1_fp8":
-            n, k = shape
-            return n * k + n * 4 + k * 2 + n * 2 * (2 if res else 1)
-        if t == "gate_up_silu":
-            f, k = shape
-            return 2 * f * k * 2 + 2 * k * 2 + f * 2
-        if t == "qkv_rope_append":
-            rows = (c.n_q + 2 * c.n_kv) * c.hd
-            return rows * c.d * 2 + 2 * c.d * 2 + c.n_q * c.hd * 2 + 2 * c.n_kv * c.hd * 2
-        if t == "attention_decode":
-            return 2 * c.n_kv * (c.prefill + 1) * c.hd * 2 + c.n_q * c.hd * 2
-        if t == "attention_merge":
-            return c.n_q * m.chunks * (c.hd + 2) * 4 + c.n_q * c.hd * 2
-        return None
+    def call_bytes(self, p, m, groups, pos: int) -> int | None:
+        """Bytes one call of `groups` moves, from the task type's cost model (its call's own arguments).
+        Attention's model reads the KV length from the device pos, so this runs after the timed steps, when
+        pos holds the position they ran at; it is checked rather than assumed. Calls of one shape move the
+        same bytes in a Llama graph; were they to differ, the figure is their mean."""
+        if p.ttype.cost is None:
+            return None
+        at = int(m.pos.reshape(-1)[0].item())
+        if at != pos:
+            raise RuntimeError(f"{self.name}: the device pos is {at}, not the timed position {pos}: the "
+                               "cost model would count another KV length")
+        costs = [int(g.cost().bytes) for _, g in groups]
+        return round(sum(costs) / len(costs))
 
     # --- correctness --------------------------------------------------------------------------------
     def incontext_check(self, p, m, uids) -> dict:
@@ -294,7 +277,7 @@ class LlamaContext:
                        warmup=p.cfg.warmup, l2=p.cfg.l2, repeats=p.cfg.repeats, floor_bw=floor.get("floor_bw"),
                        floor_method=floor.get("floor_method"), tiles=tiles[0], instances=tiles[0],
                        calls_under_test=[lab for lab, _ in groups], model=m.describe(),
-                       bytes=self.call_bytes(p, m, shape, groups), timings=pool_runs(runs),
+                       bytes=self.call_bytes(p, m, groups, pos), timings=pool_runs(runs),
                        samples=sum(r["samples"] for r in runs), steps=sum(r["steps"] for r in runs),
                        calls=t["calls"], ctas_per_step=t["ctas_per_step"], instances_per_call=t["instances_per_call"],
                        span_overflow=overflow,
