@@ -16,7 +16,7 @@ import torch
 from megart.faithful import codes, gates
 from megart.faithful.codes import GateError
 from megart.faithful.lock import GpuLock
-from test_faithful import _no_gpu, _results, fake_gpu, rec, run_cli  # noqa: F401  (_no_gpu, fake_gpu: fixtures)
+from test_faithful import _no_gpu, _results, fake_gpu, rec, replaced_gate, run_cli  # noqa: F401  (_no_gpu, fake_gpu: fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -168,12 +168,9 @@ def test_item16_nan_results_are_strict_json(fake_gpu, tmp_path, capsys):  # noqa
         gi.tensors["src"][3] = float("nan")
         return gi
 
-    gates.register_gate(gates.GateSpec(**{**spec.__dict__, "build": with_nan}), replace=True)
-    try:
+    with replaced_gate("copy", build=with_nan):
         rc, out, err = run_cli(capsys, "--task", "copy", "--shape", "4096", "--iters", "2",
                                "--json", str(tmp_path / "o.jsonl"))
-    finally:
-        gates.unregister_gate("copy")
     assert rc == codes.INCORRECT
     line = strict_lines((tmp_path / "o.jsonl").read_text())[0]
     assert line["correctness"]["cos"] is None and line["nonfinite"]["correctness.cos"] == "nan"

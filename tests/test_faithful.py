@@ -4,6 +4,7 @@ synthetic results, one distinct exit code per kind of bad input, the GPU lock, c
 the main command (compile, verify, emulate, then "timing needs a GPU", exit 0)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -42,6 +43,18 @@ def run_cli(capsys, *argv):
     rc = main(list(argv))
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+@contextlib.contextmanager
+def replaced_gate(task: str, **fields):
+    """While inside: `task`'s gate spec with `fields` replaced (yields the original spec); after: the
+    replacement is dropped again, so the declared gate is looked up anew."""
+    spec = gates.get(task)
+    gates.register_gate(gates.GateSpec(**{**spec.__dict__, **fields}), replace=True)
+    try:
+        yield spec
+    finally:
+        gates.unregister_gate(task)
 
 
 def run_module(*argv, env=None, timeout=300):
@@ -225,12 +238,8 @@ def test_shape_refused(capsys):
 
 
 def test_decode_m1_refused_by_a_task_without_that_mode(capsys):
-    spec = gates.get("copy")
-    gates.register_gate(gates.GateSpec(**{**spec.__dict__, "decode_m1": "none"}), replace=True)
-    try:
+    with replaced_gate("copy", decode_m1="none"):
         rc, out, err = run_cli(capsys, "--task", "copy", "--decode-m1")
-    finally:
-        gates.unregister_gate("copy")
     assert rc == codes.BAD_SHAPE and "--decode-m1" in err
 
 
@@ -294,25 +303,17 @@ def test_incorrect_output_fails_with_its_code(capsys):
         gi.expected = -gi.expected        # a reference the task cannot match
         return gi
 
-    gates.register_gate(gates.GateSpec(**{**spec.__dict__, "build": wrong}), replace=True)
-    try:
+    with replaced_gate("copy", build=wrong):
         rc, out, err = run_cli(capsys, "--task", "copy", "--shape", "4096")
-    finally:
-        gates.unregister_gate("copy")
     assert rc == codes.INCORRECT and "is WRONG" in err and "no timing" in err
 
 
 def test_internal_error_is_one_paragraph(capsys):
-    spec = gates.get("copy")
-
     def boom(shape, **kw):
         raise RuntimeError("spec bug")
 
-    gates.register_gate(gates.GateSpec(**{**spec.__dict__, "build": boom}), replace=True)
-    try:
+    with replaced_gate("copy", build=boom):
         rc, out, err = run_cli(capsys, "--task", "copy")
-    finally:
-        gates.unregister_gate("copy")
     assert rc == codes.INTERNAL and "spec bug" in err and "MEGART_FAITHFUL_DEBUG" in err
     assert "Traceback" not in err
 
@@ -619,12 +620,9 @@ def test_timed_wrong_candidate_gets_no_timing(fake_gpu, tmp_path, capsys, monkey
         gi.expected = -gi.expected
         return gi
 
-    gates.register_gate(gates.GateSpec(**{**spec.__dict__, "build": wrong}), replace=True)
-    try:
+    with replaced_gate("copy", build=wrong):
         rc, out, err = run_cli(capsys, "--task", "copy", "--shape", "4096", "--iters", "3",
                                "--json", str(tmp_path / "o.jsonl"))
-    finally:
-        gates.unregister_gate("copy")
     assert rc == codes.INCORRECT and "no timing" in err
     r = _results(out)[0]
     assert r["timings"] is None and not r["correctness"]["pass"]

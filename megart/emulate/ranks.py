@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import random
 
-import torch
-
 from ..errors import GraphError
 from ..verify import simulate_ranks
+from .reference import run_reference, run_steps
 
 
 def emulate_ranks(kernels: list, steps: int = 1, seed: int = 0) -> list:
@@ -25,18 +24,6 @@ def emulate_ranks(kernels: list, steps: int = 1, seed: int = 0) -> list:
     schedules = [pk.schedule for pk in kernels]
     hosts = [{name: t.data for name, t in pk.graph.tensors.items()} for pk in kernels]
     rng = random.Random(seed)
-
-    def execute(r, uid):
-        inst = schedules[r].instances[uid]
-        if not inst.is_barrier:
-            inst.type.reference(schedules[r].graph.host_views(inst, hosts[r]))
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            for _ in range(steps):
-                simulate_ranks(schedules, execute, rng)
-    finally:
-        torch.set_num_threads(threads)
+    execute = lambda r, uid: run_reference(schedules[r], hosts[r], uid)  # noqa: E731
+    run_steps(steps, lambda: simulate_ranks(schedules, execute, rng))
     return hosts

@@ -46,19 +46,25 @@ def emulate(s: Schedule, steps: int = 1, seed: int = 0, host: dict | None = None
     if host is None:
         host = host_copies(s.graph.tensors)
     rng = random.Random(seed)
-    insts = s.instances
+    run_steps(steps, lambda: simulate(s, lambda uid: run_reference(s, host, uid), rng))
+    return host
 
-    def execute(uid):
-        inst = insts[uid]
-        if not inst.is_barrier:
-            inst.type.reference(s.graph.host_views(inst, host))
 
+def run_reference(s: Schedule, host: dict, uid: int) -> None:
+    """Instance `uid` of `s` by its task type's CPU reference, on the host buffers (a barrier does nothing)."""
+    inst = s.instances[uid]
+    if not inst.is_barrier:
+        inst.type.reference(s.graph.host_views(inst, host))
+
+
+def run_steps(steps: int, one_step) -> None:
+    """one_step() `steps` times, without autograd and on one torch thread (thousands of tiny ops:
+    intra-op threading only adds overhead)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # thousands of tiny ops: intra-op threading only adds overhead
+    torch.set_num_threads(1)
     try:
         with torch.no_grad():
             for _ in range(steps):
-                simulate(s, execute, rng)
+                one_step()
     finally:
         torch.set_num_threads(threads)
-    return host
