@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,11 +57,7 @@ def split_variant(variant: dict) -> tuple[dict, dict]:
 def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = None, model_kw=None) -> tuple[list, float]:
     m, prof = profiled_steps(cfg, W, clone_kv(prefix), nw, steps, defines, **(model_kw or {}))
     if spans is not None:  # the raw records, with each instance's call label, for offline timelines
-        import numpy as np
-        labels = list(m.groups)
-        call_of = np.full(len(m.pk.graph.instances), -1, dtype=np.int64)
-        for ci, lb in enumerate(labels):
-            call_of[m.groups[lb].uids] = ci
+        labels, call_of = m.call_index()
         np.savez_compressed(spans, records=prof.records, call_of=call_of, labels=np.array(labels))
     return m.call_breakdown(prof), median(list(prof.step_walls() / 1e3))
 
@@ -114,16 +111,16 @@ def main(argv=None) -> int:
         W = llama.make_weights(cfg, 0, torch.device("cuda"))
         prefix = llama.make_kv_cache(cfg, 1, torch.device("cuda"))
         for v in args.variants.split(";"):
-            defines = parse_variant(v)
+            variant = parse_variant(v)
             spans = None
             if args.spans:
                 Path(args.spans).mkdir(parents=True, exist_ok=True)
-                tag = "_".join(f"{k}-{v_}" for k, v_ in defines.items()) or "default"
+                tag = "_".join(f"{k}-{v_}" for k, v_ in variant.items()) or "default"
                 spans = Path(args.spans) / f"{name}_{tag}.npz"
             try:
-                rec = run_variant(cfg, W, prefix, args.nw, defines, args.steps, bw, not args.no_profile, spans)
+                rec = run_variant(cfg, W, prefix, args.nw, variant, args.steps, bw, not args.no_profile, spans)
             except Exception as exc:   # one variant that does not build or run must not hide the others
-                rec = dict(defines=defines, error=f"{type(exc).__name__}: {exc}")
+                rec = dict(variant=variant, error=f"{type(exc).__name__}: {exc}")
                 log(f"[{name}] {v or 'default'}: {rec['error']}")
                 out["results"].append(dict(config=name, **rec))
                 continue

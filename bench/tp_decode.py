@@ -145,19 +145,8 @@ class TorchTP(Reference):
         dist.all_reduce(dn)
         return (x.float() + dn.float()).to(self.dt)
 
-    @torch.no_grad()
-    def decode_step_(self, token, pos, x_in=None):
-        x = F.embedding(token, self.embed).reshape(-1)
-        cos = self.cos.index_select(0, pos).reshape(-1)
-        sin = self.sin.index_select(0, pos).reshape(-1)
-        for i, lw in enumerate(self.layers):
-            kc, vc = self.kv[i]
-            q, k, v = self._qkv(lw, x, cos, sin)
-            kc.index_copy_(1, pos, k[:, None, :])
-            vc.index_copy_(1, pos, v[:, None, :])
-            x = self._mlp_and_residuals(lw, x, self._attend_masked(q, kc, vc, pos))
-        pos.add_(1)
-        logits = self._lin(self._norm(x, self.final_norm), self.head).float()
+    def _pick_token_(self, logits, token):
+        logits = logits.float()
         val, idx = logits.max(dim=-1, keepdim=True)
         part = torch.stack([val, (idx + self.rank * self.vpr).float()])   # (exact: ids < 2^24)
         parts = torch.empty(self.world * 2, 1, device=part.device)

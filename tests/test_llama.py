@@ -160,3 +160,20 @@ def test_full_size_graph_compiles_without_spills(name):
     per_layer = len(m.groups["L0.qkv"].uids) + len(m.groups["L0.down"].uids)
     assert per_layer >= 2 * 128                     # weight-streaming calls spread over the grid
     assert "barrier" not in {i.type.name for i in s.instances}
+
+
+def test_call_index_and_breakdown_cover_every_instance():
+    """call_index maps each instance to its call (one label per call, graph order) and call_breakdown, over
+    modelled spans of the tiny graph, counts every call and instance once per kind."""
+    cfg = llama.config("tiny")
+    m = llama.LlamaModel(cfg, device="cpu", nw=NW, profile=True, profile_steps=2)
+    labels, call_of = m.call_index()
+    assert labels == list(m.groups) and len(call_of) == len(m.pk.graph.instances)
+    for i, lb in enumerate(labels):
+        assert (call_of[m.groups[lb].uids] == i).all()
+    assert (call_of >= 0).sum() == sum(len(g.uids) for g in m.groups.values())
+    rows = m.call_breakdown(m.pk.emulated_profile())
+    assert sum(r["calls"] for r in rows) == len(labels)
+    assert sum(r["instances"] for r in rows) == (call_of >= 0).sum()
+    assert {r["kind"] for r in rows} == {m.call_kind(lb) for lb in labels}
+    assert all(r["wall_us"] > 0 for r in rows)

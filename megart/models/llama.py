@@ -360,6 +360,16 @@ class LlamaModel:
         head, _, rest = label.partition(".")
         return rest if rest and head[:1] == "L" and head[1:].isdigit() else label
 
+    def call_index(self, n_uid: int = 0):
+        """(the call labels, in graph order; an int64 array mapping an instance uid to its call's position in
+        them, -1 for an instance of no call), covering uids below max(n_uid, the graph's instance count)."""
+        import numpy as np
+        labels = list(self.groups)
+        call_of = np.full(max(n_uid, len(self.pk.graph.instances)), -1, dtype=np.int64)
+        for ci, lb in enumerate(labels):
+            call_of[self.groups[lb].uids] = ci
+        return labels, call_of
+
     def call_breakdown(self, prof) -> list:
         """Per call kind (qkv, attn, merge, o, gate_up, down, lm_head, ...; summed over layers), medians over
         the profiled steps, in us: `wall` (sum over the kind's calls of first body begin to last body end),
@@ -369,12 +379,8 @@ class LlamaModel:
         import numpy as np
         from ..profile import BODY_BEGIN, BODY_END, INSTANCE, STEP, WAIT_START, WORKER
         rec = prof.records
-        labels = list(self.groups)
+        labels, call_of = self.call_index(int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
         kinds = list(dict.fromkeys(self.call_kind(lb) for lb in labels))
-        n_uid = max(len(self.pk.graph.instances), int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
-        call_of = np.full(n_uid, -1, dtype=np.int64)
-        for ci, lb in enumerate(labels):
-            call_of[self.groups[lb].uids] = ci
         kind_of_call = np.array([kinds.index(self.call_kind(lb)) for lb in labels])
         per_step = {k: [] for k in ("wall", "slow_cta", "sum_cta", "wait", "wait_share")}
         nc, nk = len(labels), len(kinds)

@@ -197,6 +197,10 @@ class Reference:
         if c.block:
             return x
         h = self._norm(x, self.final_norm)
-        logits = self._lin(h, self.head)
+        return self._pick_token_(self._lin(h, self.head), token)
+
+    def _pick_token_(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """token <- argmax(logits), on the device; returns the logits decode_step_ returns. (The tensor-parallel
+        baseline overrides it: its logits are a vocabulary slice, the argmax is over every rank's.)"""
         token.copy_(torch.argmax(logits, dim=-1, keepdim=True))
         return logits
