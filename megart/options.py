@@ -22,6 +22,7 @@ OWNED_MACROS = {
     "MEGART_BLOCK_THREADS": "the CTA size with the weight stream's producer (threads= and MEGART_STREAM_SLOTS)",
     "MEGART_STREAM_OFFSET": "the weight stream's layout, computed from MEGART_STREAM_SLOTS",
     "MEGART_STREAM_SLOT_BYTES": "the weight stream's layout, computed from MEGART_STREAM_SLOTS",
+    "MEGART_STREAM_STAGE_CHUNKS": "the weight stream's stage size, from MEGART_STREAM_STAGE",
     "MEGART_PRODUCER_THREADS": "the weight stream's producer, from MEGART_STREAM_SLOTS and threads=",
     "MEGART_COMPUTE_REGS": "the weight stream's register split, from threads=",
     "MEGART_PRODUCER_REGS": "the weight stream's register split, from threads=",

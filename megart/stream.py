@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from .config import KernelConfig, caller_macros
 from .errors import GraphError
 from .registry import USER_ID_BASE
-from .tasks.dense_common import SLOT_BYTES  # one dense stage: a row pair x 256 16-byte chunks
+from .tasks.dense_common import SLOT_BYTES  # the default dense stage: a row pair x 256 16-byte chunks
 
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
 STATIC_RESERVE = 2048          # static shared memory of the worker (descriptor slots, stream state)
-MAX_SLOTS = 4                  # past this the warps' stages already cover several us of HBM time
+MAX_SLOTS = 8                  # past this the warps' stages already cover several us of HBM time
+STAGE_CHUNKS = (64, 128, 256)  # 16-byte chunks per row in one stage (MEGART_STREAM_STAGE): smaller stages
+#                                free their slot sooner, so the producer refills the ring earlier
 MIN_AUTO_SLOTS = 2             # one slot per warp cannot load a stage while the warp reads the last one
 ALIGN = 128
 WARPGROUP = 128                # setmaxnreg works per warpgroup (4 warps)
@@ -38,6 +40,11 @@ class StreamLayout:
     offset: int = 0            # dynamic shared memory offset of the first slot
     types: tuple = ()          # names of the streamed task types
     producer_warp: bool = True  # a producer warp beside the compute warps, or lane 0 of each warp inline
+    stage_chunks: int = 256    # 16-byte chunks of each row in one stage (a slot holds a row pair's stage)
+
+    @property
+    def slot_bytes(self) -> int:
+        return 2 * 16 * self.stage_chunks
 
     def producer_threads(self, threads: int) -> int:
         """The producer's threads: a warpgroup (which can hand registers to the compute warpgroups) where
@@ -62,13 +69,14 @@ class StreamLayout:
         return compute, PRODUCER_REGS
 
     def ring_bytes(self, threads: int) -> int:
-        return (threads // 32) * self.slots * SLOT_BYTES if self.slots else 0
+        return (threads // 32) * self.slots * self.slot_bytes if self.slots else 0
 
     def defines(self, threads: int) -> dict:
         if not self.slots:
             return {"MEGART_STREAM_SLOTS": 0}
         out = {"MEGART_STREAM_SLOTS": self.slots, "MEGART_STREAM_OFFSET": self.offset,
-               "MEGART_STREAM_SLOT_BYTES": SLOT_BYTES, "MEGART_STREAM_PRODUCER": int(self.producer_warp),
+               "MEGART_STREAM_SLOT_BYTES": self.slot_bytes, "MEGART_STREAM_STAGE_CHUNKS": self.stage_chunks,
+               "MEGART_STREAM_PRODUCER": int(self.producer_warp),
                "MEGART_PRODUCER_THREADS": self.producer_threads(threads), "MEGART_STREAM_HANG_FREE": HANG_SLOT_FREE}
         split = self.register_split(threads)
         if split:
@@ -91,6 +99,20 @@ def _forced(cfg: KernelConfig) -> int | None:
     return n
 
 
+def _stage_chunks(cfg: KernelConfig) -> int:
+    """MEGART_STREAM_STAGE: 16-byte chunks per row in one stage, 64, 128 or 256 (the default; a slot then
+    holds 8 KB: a whole 2048-wide bf16 row pair)."""
+    v = caller_macros(cfg).get("MEGART_STREAM_STAGE", 256)
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        n = None
+    if n not in STAGE_CHUNKS:
+        raise GraphError(f"MEGART_STREAM_STAGE={v!r}: expected one of {', '.join(map(str, STAGE_CHUNKS))} "
+                         "(16-byte chunks per row in one weight-stream stage)")
+    return n
+
+
 def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLayout:
     """The ring of a kernel of `types`. A type whose body is overridden (a candidate) is not streamed: its
     body need not consume the stream. Per-instance shared memory comes first, the ring after it."""
@@ -109,19 +131,21 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
         return StreamLayout()
     offset = -(-max([t.shared_bytes(cfg) for t in types] + [0]) // ALIGN) * ALIGN
     warps = cfg.threads // 32
+    chunks = _stage_chunks(cfg)
+    slot_bytes = 2 * 16 * chunks
     if forced is not None:
         slots = forced
     elif cfg.min_blocks > 1:
         slots = 0               # two CTAs per SM: no room for a ring worth having
     else:
         room = SMEM_PER_BLOCK - STATIC_RESERVE - offset
-        slots = min(MAX_SLOTS, room // (warps * SLOT_BYTES))
+        slots = min(MAX_SLOTS, room // (warps * slot_bytes))
         if slots < MIN_AUTO_SLOTS:
             slots = 0
     if not slots:
         return StreamLayout()
     producer = str(caller_macros(cfg).get("MEGART_STREAM_PRODUCER", "1")).strip() not in ("0", "")
-    return StreamLayout(slots=slots, offset=offset, types=names, producer_warp=producer)
+    return StreamLayout(slots=slots, offset=offset, types=names, producer_warp=producer, stage_chunks=chunks)
 
 
 

@@ -219,7 +219,15 @@ __device__ __forceinline__ void combine_split(const float (&s)[2], int groups, f
 #define MEGART_DENSE_RING_SLOTS 0
 #endif
 constexpr int kRingSlots = MEGART_DENSE_RING_SLOTS;
-constexpr int kStageChunks = 32 * kUnroll;         // per row per stage: one register batch of dot2
+// Per row per stage: one register batch of dot2, or fewer with the weight stream (MEGART_STREAM_STAGE,
+// megart/stream.py). Each lane still reads its chunks in dot2's order, so every size gives the same sums.
+#ifdef MEGART_STREAM_STAGE_CHUNKS
+constexpr int kStageChunks = MEGART_STREAM_STAGE_CHUNKS;
+#else
+constexpr int kStageChunks = 32 * kUnroll;
+#endif
+static_assert(kStageChunks % 32 == 0 && kStageChunks <= 32 * kUnroll, "a stage is 1..kUnroll chunks per lane");
+constexpr int kStageUnroll = kStageChunks / 32;    // chunks per lane per row in one stage
 constexpr int kSlotBytes = 2 * kStageChunks * 16;  // a row pair's stage
 #if MEGART_DENSE_RING_SLOTS > 0
 #if !defined(MEGART_DENSE_RING_OFFSET) || !defined(MEGART_DENSE_RING_HEAD_BYTES) || !defined(MEGART_DENSE_RING_SLOT_BYTES)
@@ -353,7 +361,7 @@ template <bool FP8>
 __device__ __forceinline__ void dot2_stage(const uint4* slot, const uint4* xs, int c, int n, float (&acc)[2]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kStageUnroll; ++u) {
     const int i = lane + 32 * u;
     if (i < n) {
       const uint4 wa = slot[i], wb = slot[kStageChunks + i];

@@ -38,6 +38,21 @@ def test_auto_depth_follows_the_shared_memory_left():
         assert lay.offset + lay.ring_bytes(threads) <= stream.SMEM_PER_BLOCK - stream.STATIC_RESERVE
 
 
+def test_stage_size():
+    """Smaller stages (MEGART_STREAM_STAGE chunks per row): the same bytes in more, smaller slots; the
+    kernel is told the slot size; a size the format has no stage for is named."""
+    auto = {"MEGART_STREAM_SLOTS": "auto"}
+    half = stream.layout(_types(*DENSE), KernelConfig(defines=auto | {"MEGART_STREAM_STAGE": 128}))
+    assert (half.slots, half.slot_bytes, half.ring_bytes(256)) == (6, 4096, 8 * 6 * 4096)
+    defs = half.defines(256)
+    assert defs["MEGART_STREAM_SLOT_BYTES"] == 4096 and defs["MEGART_STREAM_STAGE_CHUNKS"] == 128
+    assert stream.layout(_types(*DENSE), KernelConfig(defines=auto | {"MEGART_STREAM_STAGE": 64})).slots == \
+        stream.MAX_SLOTS
+    for bad in (96, "big", 512):
+        with pytest.raises(GraphError, match="MEGART_STREAM_STAGE"):
+            stream.layout(_types("gemv_m1"), KernelConfig(defines=auto | {"MEGART_STREAM_STAGE": bad}))
+
+
 def test_producer_and_register_split():
     lay = stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 2}))
     assert lay.block_threads(256) == 384 and lay.register_split(256) == (232, 40)
