@@ -49,7 +49,7 @@ from megart.models import llama  # noqa: E402
 from megart.models.llama_config import clone_kv  # noqa: E402
 from megart.models.reference import Reference  # noqa: E402
 
-DEFAULT_CONFIGS = "1b,1b_fp8,1b_32k,block8b"
+DEFAULT_CONFIGS = "1b,1b_128,1b_fp8,1b_32k,block8b"
 
 
 def log(*a):

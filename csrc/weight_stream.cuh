@@ -5,8 +5,8 @@
 // owns kStreamSlots slots of kStreamSlotBytes, each with a "full" mbarrier (the bulk copies land) and an
 // "empty" one (warp w has read it). The warp's *stream* is the concatenation, in queue order, of its
 // stages in every instance of a streamed task type (declared stream=True; the other entries contribute
-// nothing and are stepped over). One extra warp, beside the MEGART_THREADS compute threads, is the
-// producer: its lane w walks the worker's queue ahead for warp w, waits for a free slot and issues the
+// nothing and are stepped over). Extra warps beside the MEGART_THREADS compute threads are the
+// producer: one lane per compute warp w walks the worker's queue ahead for warp w, waits for a free slot and issues the
 // next stage, which may belong to an instance several entries ahead (during an attention call the slots
 // already hold o_proj's first weights). Descriptor reads and copy issue are off the compute warps'
 // path: they wait only for bytes to land. The ring is never re-initialised between instances; the bytes
@@ -47,6 +47,14 @@ __device__ __forceinline__ bool mbar_test(unsigned long long* b, unsigned parity
                : "=r"(done) : "r"(smem_addr(b)), "r"(parity) : "memory");
   return done != 0;
 }
+// Non-blocking: try_wait above may suspend the thread until the phase completes or a time limit passes,
+// which in the producer's converged rounds holds every lane up behind one slot that is still being read.
+__device__ __forceinline__ bool mbar_poll(unsigned long long* b, unsigned parity) {
+  unsigned done;
+  asm volatile("{\n\t.reg .pred p;\n\tmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+               : "=r"(done) : "r"(smem_addr(b)), "r"(parity) : "memory");
+  return done != 0;
+}
 __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
   while (!mbar_test(b, parity)) {
   }
@@ -83,6 +91,7 @@ inline bool mbar_test(unsigned long long* b, unsigned parity) {
   if (*b == ~0ull) megart_host_fault("wait on an invalidated mbarrier");
   return (*b & 1) != (parity & 1);
 }
+inline bool mbar_poll(unsigned long long* b, unsigned parity) { return mbar_test(b, parity); }
 inline void mbar_wait(unsigned long long* b, unsigned parity) {
   if (!mbar_test(b, parity)) megart_host_fault("mbarrier wait on a phase that never completes");
 }
@@ -221,10 +230,17 @@ __device__ __forceinline__ unsigned ld_acquire_shared(const unsigned* p) {
 inline void st_release_shared(unsigned* p, unsigned v) { *p = v; }
 inline unsigned ld_acquire_shared(const unsigned* p) { return *p; }
 #endif
-// Producer: is warp w's next slot free (its previous stage, `kStreamSlots` back, read)?
+// Producer: is warp w's next slot free (its previous stage, `kStreamSlots` back, read)? A poll that never
+// suspends (MEGART_STREAM_POLL=0 uses the suspending try_wait instead, for comparison).
+#if defined(MEGART_STREAM_POLL) && MEGART_STREAM_POLL == 0
+constexpr bool kProducerPolls = false;
+#else
+constexpr bool kProducerPolls = true;
+#endif
 __device__ __forceinline__ bool stream_slot_free(const WarpStream& ws, int w) {
   const unsigned use = ws.issued / kStreamSlots;
-  if (kFreeByBarrier) return mbar_test(stream_empty(w, (int)(ws.issued % kStreamSlots)), (use - 1) & 1u);
+  unsigned long long* empty = stream_empty(w, (int)(ws.issued % kStreamSlots));
+  if (kFreeByBarrier) return kProducerPolls ? mbar_poll(empty, (use - 1) & 1u) : mbar_test(empty, (use - 1) & 1u);
   return ld_acquire_shared(&ws.consumed) + kStreamSlots > ws.issued;
 }
 
@@ -295,17 +311,32 @@ __device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int 
   cta_sync_all();
 }
 
-// The producer warp's whole launch: lane w < kStreamWarps streams warp w's stages. The lanes stay
-// converged: each round, every lane whose next slot is free (warp w has read the slot's previous stage:
+// A producer warp's whole launch: each lane streams one compute warp's stages (producer_lane_warp). The
+// lanes stay converged: each round, every lane whose next slot is free (warp w has read the slot's previous stage:
 // the empty barrier's phase) issues into it, and a round in which no lane could issue backs off briefly.
 // (Lanes spinning apart on their own barriers would be scheduled one path at a time.) Leaves at the end of
 // the queue, or once any watchdog fired; a slot that stays taken for twice the watchdog is recorded as a
 // hang, so a consumer's own wait (which names the event it is stuck on) is reported first.
+#ifndef MEGART_PRODUCER_THREADS
+#define MEGART_PRODUCER_THREADS 32
+#endif
+// Producer warps that issue: every warp of the producer's threads (MEGART_STREAM_PRODUCER_WARPS=1 keeps
+// one, for comparison). Producer warp p serves compute warps p, p + kProducerWarps, ... (lane l: warp
+// p + kProducerWarps * l), so each issues a share of the copies.
+#if defined(MEGART_STREAM_PRODUCER_WARPS) && MEGART_STREAM_PRODUCER_WARPS == 1
+constexpr int kProducerWarps = 1;
+#else
+constexpr int kProducerWarps = MEGART_PRODUCER_THREADS / 32;
+#endif
+static_assert(kProducerWarps >= 1 && kProducerWarps * 32 <= MEGART_PRODUCER_THREADS, "producer warps");
+__device__ __forceinline__ int producer_lane_warp() {
+  return (int)((threadIdx.x - MEGART_THREADS) >> 5) + kProducerWarps * (int)(threadIdx.x & 31);
+}
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ void stream_produce() {
-  const int w = threadIdx.x & 31;
+  const int w = producer_lane_warp(), lane = threadIdx.x & 31;
   WarpStream* ws = w < kStreamWarps ? &s_stream.warp[w] : nullptr;
-  unsigned long long since = globaltimer();  // last time any lane issued
+  unsigned long long since = globaltimer();  // last time any lane of this warp issued
   for (unsigned round = 1;; ++round) {
     bool live = false, issued = false;
     if (ws && ws->q < s_stream.q1) {
@@ -322,13 +353,13 @@ __device__ __forceinline__ void stream_produce() {
     __nanosleep(64);
     if ((round & 63) == 0) {
       int stop = 0;
-      if (w == 0) {
+      if (lane == 0) {
         if (ld_relaxed(s_stream.ctrl + kCtrl_abort) != 0) {
           stop = 1;
         } else if ((long long)(globaltimer() - since) > 2 * s_stream.watchdog_ns) {
-          const WarpStream& h = s_stream.warp[0];  // (warp 0's slot stands for the stuck ring)
+          const WarpStream& h = s_stream.warp[w < kStreamWarps ? w : 0];  // (stands for the stuck ring)
           raise_hang(s_stream.ctrl, WaitSite{s_stream.worker, s_stream.queue_pos, s_stream.type, s_stream.instance},
-                     kHangSlotFree - (int)(h.issued % kStreamSlots), h.issued, 0u);
+                     kHangSlotFree - (int)(h.issued % kStreamSlots), h.issued, (unsigned)w);
           stop = 1;
         }
       }
@@ -359,9 +390,6 @@ __device__ __forceinline__ void stream_drain(const WarpStream& ws, int w) {
 // quarters, which caps every thread at 168 registers. So where the compute threads are whole warpgroups
 // the producer is a warpgroup of its own (MEGART_PRODUCER_THREADS = 128; one warp of it works), which
 // gives registers back (setmaxnreg.dec) that the compute warpgroups take (setmaxnreg.inc).
-#ifndef MEGART_PRODUCER_THREADS
-#define MEGART_PRODUCER_THREADS 32
-#endif
 __device__ __forceinline__ void stream_compute_regs() {
 #if defined(MEGART_COMPUTE_REGS) && defined(__CUDA_ARCH__)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(MEGART_COMPUTE_REGS));
@@ -372,9 +400,9 @@ __device__ __forceinline__ void stream_producer_role() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(MEGART_PRODUCER_REGS));
 #endif
 #ifdef __CUDA_ARCH__
-  if (threadIdx.x < MEGART_THREADS + 32) {
+  if (threadIdx.x < MEGART_THREADS + 32 * kProducerWarps) {
     stream_produce();
-    const int w = threadIdx.x & 31;
+    const int w = producer_lane_warp();
     if (w < kStreamWarps) stream_drain(s_stream.warp[w], w);
   }
 #endif

@@ -24,3 +24,10 @@ def env_defines() -> dict:
 def caller_macros(cfg: KernelConfig) -> dict:
     """The macros the caller asked for: MEGART_DEFINES, overridden by the kernel's own `defines`."""
     return {**env_defines(), **cfg.defines}
+
+
+def stream_requested(cfg: KernelConfig) -> bool:
+    """Whether the launch-wide weight stream is wanted (megart/stream.py sizes it, or finds no room for
+    it): MEGART_STREAM_SLOTS "auto" or N > 0. Unset or 0: the register engine (a PersistentKernel's
+    default; the decode models ask for "auto", see megart/models/llama.py)."""
+    return str(caller_macros(cfg).get("MEGART_STREAM_SLOTS", "0")).strip() not in ("0", "")

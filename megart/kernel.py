@@ -69,6 +69,7 @@ class PersistentKernel:
             raise GraphError(f"watchdog_s must be in (0, 3600), got {self.watchdog_s}")
         self.source_overrides = options.check_overrides(source_overrides or {})
         self.defines = options.check_defines(defines or {})   # tuning macros (see codegen.env_defines)
+        self.stream_declined = None   # why MEGART_STREAM_SLOTS=auto fell back to registers (compile), or None
         codegen.env_defines()                # a malformed MEGART_DEFINES fails here, naming itself
         self.peers = peers
         rank, world = (peers.rank, peers.world) if peers is not None else (0, 1)
@@ -107,8 +108,9 @@ class PersistentKernel:
 
     def kernel_config(self) -> codegen.KernelConfig:
         """What the generated source is specialised on (CTA size, CTAs per SM, profiling, macros)."""
+        defines = {**self.defines, "MEGART_STREAM_SLOTS": "0"} if self.stream_declined else self.defines
         return codegen.KernelConfig(threads=self.threads, profile=self.profiling,
-                                    min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=self.defines,
+                                    min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=defines,
                                     tp=self.graph.world if self.graph.peer_events else 1)
 
     def stream_layout(self) -> stream.StreamLayout:
@@ -129,9 +131,16 @@ class PersistentKernel:
         schedule = build(self.graph)
         if verify:
             _verify(schedule)
+        self.stream_declined = None
         cfg = self.kernel_config()
         self.source = codegen.generate(self.task_types, cfg, self.source_overrides)
         self.compiled = compile_source(self.source, self.arch)
+        if self.compiled.report.spill_bytes and stream.chosen_automatically(self.task_types, cfg, self.source_overrides):
+            # "auto" streams only a kernel that compiles without spills: the compute warps' share of the
+            # registers beside the producer warpgroup (232) can spill a kernel the register engine does not
+            self.stream_declined = f"the stream build spilled {self.compiled.report.spill_bytes} bytes"
+            self.source = codegen.generate(self.task_types, self.kernel_config(), self.source_overrides)
+            self.compiled = compile_source(self.source, self.arch)
         r = self.compiled.report
         smem = self.smem_bytes()
         block = self.stream_layout().block_threads(self.threads)   # + the producer warp, with a stream

@@ -4,15 +4,16 @@ their weights, how many ring slots each warp gets, and where the ring sits in sh
 The ring comes after the largest per-instance shared memory of the kernel's types (it must survive every
 instance), so its depth depends on the whole kernel. Little's law sets what it must hold: at ~33 KB per
 us per SM (4.3 TB/s over 132 SMs) and ~1-1.5 us of loaded latency, >= ~50 KB per SM in flight keeps
-the SM's share of HBM busy; 8 warps x 2-3 slots x 8 KB = 128-192 KB also covers a dependency wait.
-The stream is opt-in: MEGART_STREAM_SLOTS=N (a kernel macro) gives N slots per warp, "auto" sizes the
-ring from the shared memory left; unset or 0 keeps the register engine (the Llama step measured at
-parity with it, not faster, so far: bench/RESULTS.md)."""
+the SM's share of HBM busy; 8 warps x 6 slots x 4 KB = 192 KB also covers a dependency wait.
+MEGART_STREAM_SLOTS="auto" gives as many slots as the shared memory left holds (2..8), N asks for N, unset
+or 0 keeps the register engine. A PersistentKernel leaves it off unless asked (a kernel of every built-in
+type spills 16 bytes under the 232-register split); the decode models (megart/models/llama.py) ask for
+"auto": on the Llama-1B step it measured 970-978 us against the register engine's 1,008 (bench/RESULTS.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import KernelConfig, caller_macros
+from .config import KernelConfig, caller_macros, stream_requested
 from .errors import GraphError
 from .registry import USER_ID_BASE
 from .tasks.dense_common import SLOT_BYTES  # the default dense stage: a row pair x 256 16-byte chunks
@@ -20,6 +21,7 @@ from .tasks.dense_common import SLOT_BYTES  # the default dense stage: a row pai
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
 STATIC_RESERVE = 2048          # static shared memory of the worker (descriptor slots, stream state)
 MAX_SLOTS = 8                  # past this the warps' stages already cover several us of HBM time
+DEFAULT_STAGE_CHUNKS = 128     # measured fastest on the Llama-1B step with 4 producer warps (bench/RESULTS.md)
 STAGE_CHUNKS = (64, 128, 256)  # 16-byte chunks per row in one stage (MEGART_STREAM_STAGE): smaller stages
 #                                free their slot sooner, so the producer refills the ring earlier
 MIN_AUTO_SLOTS = 2             # one slot per warp cannot load a stage while the warp reads the last one
@@ -85,9 +87,11 @@ class StreamLayout:
 
 
 def _forced(cfg: KernelConfig) -> int | None:
-    """MEGART_STREAM_SLOTS: unset or 0 = off (the default: measured slower on the Llama step, see
-    docs/ARCHITECTURE.md), N = N slots per warp, "auto" = as many as shared memory allows (2..4)."""
-    v = caller_macros(cfg).get("MEGART_STREAM_SLOTS", 0)
+    """MEGART_STREAM_SLOTS: "auto" = as many as shared memory allows (2..MAX_SLOTS), N = N slots per warp,
+    unset or 0 = off (the register engine)."""
+    if not stream_requested(cfg):
+        return 0
+    v = caller_macros(cfg).get("MEGART_STREAM_SLOTS")
     if str(v).strip().lower() == "auto":
         return None
     try:
@@ -100,9 +104,9 @@ def _forced(cfg: KernelConfig) -> int | None:
 
 
 def _stage_chunks(cfg: KernelConfig) -> int:
-    """MEGART_STREAM_STAGE: 16-byte chunks per row in one stage, 64, 128 or 256 (the default; a slot then
-    holds 8 KB: a whole 2048-wide bf16 row pair)."""
-    v = caller_macros(cfg).get("MEGART_STREAM_STAGE", 256)
+    """MEGART_STREAM_STAGE: 16-byte chunks per row in one stage, 64, 128 (the default: a slot holds 4 KB,
+    half a 2048-wide bf16 row pair) or 256."""
+    v = caller_macros(cfg).get("MEGART_STREAM_STAGE", DEFAULT_STAGE_CHUNKS)
     try:
         n = int(v)
     except (TypeError, ValueError):
@@ -147,6 +151,12 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
     producer = str(caller_macros(cfg).get("MEGART_STREAM_PRODUCER", "1")).strip() not in ("0", "")
     return StreamLayout(slots=slots, offset=offset, types=names, producer_warp=producer, stage_chunks=chunks)
 
+
+
+def chosen_automatically(types, cfg: KernelConfig, overrides: dict | None = None) -> bool:
+    """The kernel streams because MEGART_STREAM_SLOTS is "auto" (not a number the caller gave): a build
+    that spills may fall back to the register engine (PersistentKernel.compile)."""
+    return _forced(cfg) is None and layout(types, cfg, overrides).slots > 0
 
 
 def hang_site(event: int) -> str:

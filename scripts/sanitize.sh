@@ -4,13 +4,13 @@
 # the tools time the steps, not NVRTC. Prints each tool's summary; exit 1 if any tool reported errors or failed.
 # Usage: scripts/sanitize.sh [sanitize_step.py args...]
 #   LAYERS=n trims the model (default 16); TOOL_TIMEOUT=s per tool (default 150);
-#   VARIANTS="default;MEGART_STREAM_SLOTS=auto" and TOOLS="memcheck racecheck synccheck" choose what runs.
+#   VARIANTS="default;MEGART_STREAM_SLOTS=0" (the model default streams its weights; 0: registers) and TOOLS="memcheck racecheck synccheck" choose what runs.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export MEGART_CACHE_DIR=${MEGART_CACHE_DIR:-/tmp/megart-cache}
 bad=0
-IFS=';' read -r -a variants <<< "${VARIANTS:-default;MEGART_STREAM_SLOTS=auto}"
+IFS=";" read -r -a variants <<< "${VARIANTS:-default;MEGART_STREAM_SLOTS=0}"
 for v in "${variants[@]}"; do
   defs=$([ "$v" = default ] && echo "" || echo "$v")
   python3 scripts/sanitize_step.py --layers "${LAYERS:-16}" --defines "$defs" --steps 1 "$@" > /dev/null || bad=1

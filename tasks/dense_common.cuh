@@ -546,6 +546,19 @@ __device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, cons
     matvec<FP8>(m.groups, m.kc, xs, red, m.rows, epi);
 }
 
+// The body side of a type without a prewait (qkv_rope_append): weights from the launch-wide stream when
+// the type is streamed, else through registers (the per-instance ring needs a prewait to fill it).
+template <bool FP8, class P, class Rows, class Epi>
+__device__ __forceinline__ void matvec_streamed(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi) {
+#if MEGART_STREAM_SLOTS > 0
+  if constexpr (StreamOn<P>::value) {
+    matvec_stream<FP8>(m.groups, m.kc, xs, red, epi);
+    return;
+  }
+#endif
+  matvec<FP8>(m.groups, m.kc, xs, red, m.rows, epi);
+}
+
 // Row pairs (2g, 2g + 1) of a row-major W with n rows of `row_bytes`.
 struct PairRows {
   const char* w;

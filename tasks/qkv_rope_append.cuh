@@ -2,158 +2,87 @@
 //
 // One instance = one head of w_qkv (q, k or v) restricted to the rotate-half pairs
 // [pair0, pair0 + npairs): rows pair0 + j and half + pair0 + j of the head (w points at the first).
-// Every thread owns the column vectors c = tid + k * MEGART_THREADS of the row (16-byte, 8 bf16), keeps the
-// (normalised, bf16-rounded) x for those columns in fp32 registers, streams U rows x KV vectors of W per
-// batch (16 loads of 16 bytes in flight per thread), reduces each row across the warp and then across warps
-// in shared memory. The epilogue (one thread per pair) applies RoPE in fp32 and rounds to bf16.
+// The dots come from the dense matvec engine (tasks/dense_common.cuh): x staged in shared memory (with
+// the fused RMSNorm, rounded to bf16 like an unfused rmsnorm task's output), one warp per row pair
+// (j, half + j), so the weights can come through the launch-wide weight stream like any dense GEMV's.
+// The epilogue (one thread per pair) applies the optional per-head RMSNorm and RoPE in fp32 and rounds to bf16.
 //
 // mode bits: 1 = RoPE (q, k heads), 2 = fused RMSNorm of x (norm_weight valid), 4 = destination is a cache
 // head (row `pos`, stride 2 * half) rather than q, 8 = RMSNorm of the head's own fp32 dots with the gain
 // head_norm [hd] before RoPE (Qwen3's q_norm / k_norm; the splitter then gives the instance the whole head). dst gets the low half of each pair, dst2 the high half
 // (q: dst2 points at it; cache: dst2 == dst and the high half is + half).
-// (shared helpers: tasks/attention_common.cuh)
+// (shared helpers: tasks/attention_common.cuh, tasks/dense_common.cuh)
 
 namespace megart_attn {
 // kQkvMaxRows (2 * half; hd <= 128), kQkvMaxD and the kMode* bits: generated from tasks/attention.py
 
-// Pair j's two dot products (rows j and np + j): the per-warp partials in `red`, summed in warp order.
-__device__ __forceinline__ void pair_dots(const float* red, int j, int np, float& lo, float& hi) {
-  constexpr int NWARP = MEGART_THREADS / 32;
-  lo = 0.f;
-  hi = 0.f;
-#pragma unroll
-  for (int w = 0; w < NWARP; ++w) {
-    lo += red[j * NWARP + w];
-    hi += red[(np + j) * NWARP + w];
+// Pair j of the instance: rows j and half + j after w.
+struct QkvRows {
+  const char* w;
+  long long row_bytes;
+  int half;
+  __device__ __forceinline__ void operator()(int g, const void* (&p)[2]) const {
+    p[0] = w + g * row_bytes;
+    p[1] = w + (half + g) * row_bytes;
   }
+  __device__ __forceinline__ megart::dense::StreamRows stream_rows() const {
+    return megart::dense::StreamRows{w, w + half * row_bytes, row_bytes, 0x7fffffff};
+  }
+};
+}  // namespace megart_attn
+
+template <class P>
+__device__ __forceinline__ auto plan_qkv_rope_append(const P& p) {
+  return megart::dense::MatvecPlan<megart_attn::QkvRows>{
+      p.npairs, p.d >> 3, megart_attn::QkvRows{reinterpret_cast<const char*>(p.w), 2ll * p.d, p.half}};
 }
 
-template <int KV>
-__device__ __forceinline__ void qkv_rope_append_body(const megart_params_qkv_rope_append& p, char* smem, int pos) {
-  constexpr int NT = MEGART_THREADS, NWARP = NT / 32;
-  // rows per batch: U * KV 16-byte loads in flight per thread (32 = 512 B; 8 under kLowRegs)
-  constexpr int U = (kLowRegs ? 8 : 32) / KV > 0 ? (kLowRegs ? 8 : 32) / KV : 1;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int d = p.d, nvec = d >> 3, np = p.npairs, half = p.half, rows = 2 * np;
-  float* red = reinterpret_cast<float*>(smem);  // [rows][NWARP] per-warp partial dot products
-  float* scratch = red + kQkvMaxRows * NWARP;   // block_sum scratch (NWARP floats)
-
-  // x for this thread's columns, fp32 (exact from bf16); with the fused RMSNorm, x * inv_rms * w in fp32
-  // rounded to bf16, so the dots see the same bf16 activation an unfused rmsnorm task would write.
-  float xf[KV][8];
-#pragma unroll
-  for (int k = 0; k < KV; ++k) {
-    const int c = tid + k * NT;
-    if (c < nvec) {
-      unpack8(ld_in16(p.x + 8 * c), xf[k]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) xf[k][e] = 0.f;
+template <class P>
+__device__ __forceinline__ void megart_task_qkv_rope_append(const P& p, char* smem) {
+  namespace dn = megart::dense;
+  namespace at = megart_attn;
+  const int pos = at::ld_in_i32(p.pos);
+  const int np = p.npairs, half = p.half, lane = threadIdx.x & 31;
+  uint4* xs = dn::xs_of(smem);
+  float* scratch = dn::scratch_of(smem);
+  float* dots = reinterpret_cast<float*>(smem + dn::kScratchBytes + 2 * at::kQkvMaxD);  // [np] lo, then [np] hi
+  dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch);
+  // (an out-of-range position still reads its weights: a streamed type consumes every stage it declared)
+  dn::matvec_streamed<false, P>(plan_qkv_rope_append(p), xs, scratch, [&](int g, float lo, float hi) {
+    if (lane == 0) {
+      dots[g] = lo;
+      dots[np + g] = hi;
     }
-  }
-  if (p.mode & kModeNorm) {
-    float ss = 0.f;
-#pragma unroll
-    for (int k = 0; k < KV; ++k)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) ss = fmaf(xf[k][e], xf[k][e], ss);
-    ss = megart::block_sum(ss, scratch);
-    const float inv = rsqrtf(ss / (float)d + p.eps);
-#pragma unroll
-    for (int k = 0; k < KV; ++k) {
-      const int c = tid + k * NT;
-      if (c < nvec) {
-        float wf[8];
-        unpack8(ld_weight16(p.norm_weight + 8 * c), wf);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) xf[k][e] = round_bf16(xf[k][e] * inv * wf[e]);
-      }
-    }
-  }
-
-  for (int r0 = 0; r0 < rows; r0 += U) {
-    uint4 wv[U][KV];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int r = r0 + u;
-      const long long off = (long long)(r < np ? r : r - np + half) * d;
-#pragma unroll
-      for (int k = 0; k < KV; ++k) {
-        const int c = tid + k * NT;
-        if (r < rows && c < nvec) {
-          wv[u][k] = ld_weight16(p.w + off + 8 * c);
-        } else {
-          wv[u][k] = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float acc = 0.f;
-#pragma unroll
-      for (int k = 0; k < KV; ++k) {
-        float wf[8];
-        unpack8(wv[u][k], wf);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[k][e], acc);
-      }
-      acc = megart::warp_sum(acc);
-      if (lane == 0 && r0 + u < rows) red[(r0 + u) * NWARP + warp] = acc;
-    }
-  }
+  });
   __syncthreads();
+  if (pos < 0 || pos >= p.max_seq) return;  // out-of-range position: the instance writes nothing
 
   // per-head RMSNorm (mode 8): the mean square over all 2 * np == hd dots of the head, fp32
   float head_inv = 1.f;
-  if (p.mode & kModeHeadNorm) {  // uniform over the CTA, so every thread reaches block_sum
+  if (p.mode & at::kModeHeadNorm) {  // uniform over the CTA, so every thread reaches block_sum
     float ss = 0.f;
-    for (int j = tid; j < np; j += NT) {
-      float lo, hi;
-      pair_dots(red, j, np, lo, hi);
-      ss = fmaf(lo, lo, fmaf(hi, hi, ss));
-    }
+    for (int j = threadIdx.x; j < np; j += MEGART_THREADS) ss = fmaf(dots[j], dots[j], fmaf(dots[np + j], dots[np + j], ss));
     ss = megart::block_sum(ss, scratch);
-    head_inv = rsqrtf(ss / (float)rows + p.eps);
+    head_inv = rsqrtf(ss / (float)(2 * np) + p.eps);
   }
 
-  for (int j = tid; j < np; j += NT) {
-    float lo, hi;
-    pair_dots(red, j, np, lo, hi);
-    if (p.mode & kModeHeadNorm) {
+  for (int j = threadIdx.x; j < np; j += MEGART_THREADS) {
+    float lo = dots[j], hi = dots[np + j];
+    if (p.mode & at::kModeHeadNorm) {
       lo = lo * head_inv * __bfloat162float(p.head_norm[p.pair0 + j]);
       hi = hi * head_inv * __bfloat162float(p.head_norm[half + p.pair0 + j]);
     }
     float out_lo = lo, out_hi = hi;
-    if (p.mode & kModeRope) {  // rotate-half RoPE on the pair (j, j + half), fp32
+    if (p.mode & at::kModeRope) {  // rotate-half RoPE on the pair (j, j + half), fp32
       const long long t = (long long)pos * half + p.pair0 + j;
       const float c = p.cos[t], s = p.sin[t];
       out_lo = lo * c - hi * s;
       out_hi = hi * c + lo * s;
     }
-    const long long row = (p.mode & kModeCache) ? (long long)pos * 2 * half : 0;
-    const int hoff = (p.mode & kModeCache) ? half : 0;
+    const long long row = (p.mode & at::kModeCache) ? (long long)pos * 2 * half : 0;
+    const int hoff = (p.mode & at::kModeCache) ? half : 0;
     p.dst[row + j] = __float2bfloat16_rn(out_lo);
     p.dst2[row + hoff + j] = __float2bfloat16_rn(out_hi);
-  }
-}
-}  // namespace megart_attn
-
-__device__ __forceinline__ void megart_task_qkv_rope_append(const megart_params_qkv_rope_append& p, char* smem) {
-  const int pos = megart_attn::ld_in_i32(p.pos);
-  if (pos < 0 || pos >= p.max_seq) return;  // out-of-range position: the instance writes nothing
-  // column vectors per thread; only the counts d <= 8192 can need at this thread count are instantiated
-  constexpr int kMaxPerThread = (megart_attn::kQkvMaxD / 8 + MEGART_THREADS - 1) / MEGART_THREADS;
-  const int per_thread = ((p.d >> 3) + MEGART_THREADS - 1) / MEGART_THREADS;
-  if (per_thread <= 1) {
-    megart_attn::qkv_rope_append_body<1>(p, smem, pos);
-  } else if (per_thread <= 2) {
-    if constexpr (kMaxPerThread >= 2) megart_attn::qkv_rope_append_body<2>(p, smem, pos);
-  } else if (per_thread <= 4) {
-    if constexpr (kMaxPerThread >= 3) megart_attn::qkv_rope_append_body<4>(p, smem, pos);
-  } else if (per_thread <= 8) {
-    if constexpr (kMaxPerThread >= 5) megart_attn::qkv_rope_append_body<8>(p, smem, pos);
-  } else {
-    __trap();  // d > 64 * MEGART_THREADS: the splitter refuses d > 8192, so only < 128 threads get here
   }
 }
 

@@ -154,6 +154,11 @@ def test_full_size_graph_compiles_without_spills(name):
     s = m.pk.schedule
     assert m.pk.arch == "sm_90a"
     assert m.pk.report.spill_bytes == 0, m.pk.report
+    # the weight stream (the models' default, "auto") where it compiles without spills, else registers
+    lay = m.pk.stream_layout()
+    assert (lay.slots == 0) == (m.pk.stream_declined is not None), (lay, m.pk.stream_declined)
+    if name in ("1b", "1b_fp8", "block8b"):
+        assert lay.slots == 5 and "qkv_rope_append" in lay.types
     assert max(len(w) for w in s.waits.values()) <= 2
     assert not [i for i in s.instances if i.type.name == "join"]
     assert m.pk.occupancy.per_sm >= 1

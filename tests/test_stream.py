@@ -19,22 +19,30 @@ def _types(*names):
     return [registry.get(n) for n in names]
 
 
-def test_off_unless_asked_for():
+def test_off_unless_asked_for_and_on_in_the_decode_models():
+    """A PersistentKernel keeps registers unless asked; "auto" takes the shared memory the types leave (6 slots
+    of 4 KB per warp after the 33 KB x staging); two CTAs per SM leave no room. The decode models ask for
+    "auto" unless the caller's defines or MEGART_DEFINES choose."""
     assert stream.layout(_types(*DENSE), KernelConfig()).slots == 0
     assert stream.layout(_types(*DENSE), KernelConfig(defines={"MEGART_STREAM_SLOTS": 0})).slots == 0
+    lay = stream.layout(_types(*DENSE), KernelConfig(defines={"MEGART_STREAM_SLOTS": "auto"}))
+    assert (lay.slots, lay.slot_bytes, lay.offset, set(lay.types)) == (6, 4096, 33024, set(DENSE))
+    assert stream.layout(_types(*DENSE), KernelConfig(min_blocks=2, defines={"MEGART_STREAM_SLOTS": "auto"})).slots == 0
+    from megart.models import llama
+    assert llama.stream_default(None) == {"MEGART_STREAM_SLOTS": "auto"}
+    assert llama.stream_default({"MEGART_STREAM_SLOTS": 0}) == {}
 
 
 def test_auto_depth_follows_the_shared_memory_left():
-    """Dense types alone: 3 slots of 8 KB per warp after the 33 KB x staging; with attention's 64 KB ring
-    in the kernel: 2; two CTAs per SM: none; 512 threads with attention: one slot would not double-buffer."""
+    """Beside attention's 64 KB K/V ring: 5 slots of 4 KB at 256 threads, 3 at 512 (attention keeps
+    registers there); 8 KB stages: 2; every layout fits the block's shared memory."""
     auto = {"MEGART_STREAM_SLOTS": "auto"}
-    dense = stream.layout(_types(*DENSE), KernelConfig(defines=auto))
-    assert (dense.slots, dense.offset, set(dense.types)) == (3, 33024, set(DENSE))
-    with_attn = stream.layout(_types("gemv_m1", "attention_decode"), KernelConfig(defines=auto))
-    assert with_attn.slots == 2 and with_attn.offset >= 64 * 1024 and with_attn.types == ("gemv_m1",)
-    assert stream.layout(_types(*DENSE), KernelConfig(defines=auto, min_blocks=2)).slots == 0
-    assert stream.layout(_types("gemv_m1", "attention_decode"), KernelConfig(threads=512, defines=auto)).slots == 0
-    for lay, threads in ((dense, 256), (with_attn, 256)):
+    with_attn = stream.layout(_types("gemv_m1", "qkv_rope_append", "attention_decode"), KernelConfig(defines=auto))
+    assert (with_attn.slots, with_attn.types) == (5, ("gemv_m1", "qkv_rope_append"))
+    wide = stream.layout(_types("gemv_m1", "attention_decode"), KernelConfig(threads=512, defines=auto))
+    big = stream.layout(_types("gemv_m1", "attention_decode"), KernelConfig(defines=auto | {"MEGART_STREAM_STAGE": 256}))
+    assert wide.slots == 3 and big.slots == 2
+    for lay, threads in ((with_attn, 256), (wide, 512), (big, 256)):
         assert lay.offset + lay.ring_bytes(threads) <= stream.SMEM_PER_BLOCK - stream.STATIC_RESERVE
 
 
@@ -76,7 +84,8 @@ def test_bad_requests_are_named():
         stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": "lots"}))
     with pytest.raises(GraphError, match="MEGART_DENSE_RING_SLOTS"):
         stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 2, "MEGART_DENSE_RING_SLOTS": 2}))
-    pk = megart.PersistentKernel(nw=2, device="cpu", defines=STREAM(4))       # 8 warps x 4 x 8 KB + 33 KB
+    too_deep = STREAM(4) | {"MEGART_STREAM_STAGE": 256}                     # 8 warps x 4 x 8 KB + 33 KB
+    pk = megart.PersistentKernel(nw=2, device="cpu", defines=too_deep)
     w, x = geo.dense_m1(64, 256, seed=1)
     pk.task("gemv_m1", y=pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
             x=pk.tensor(x, "x"), tiles=2)
@@ -131,3 +140,44 @@ def test_hostsim_catches_stages_never_read(tmp_path):
                            "      stream_release(warp);\n      st.next();\n      if (st.k > 0) st.live = false;"))
     with pytest.raises(dense_hostsim.HostSimError, match="never read"):
         dense_hostsim.run(pk)
+
+
+@pytest.mark.parametrize("cfg_name", ["tiny", "tiny_features"])
+def test_llama_step_streams_every_weighted_projection(cfg_name):
+    """A whole tiny decode step under the host simulation: with the stream on, qkv_rope_append streams its
+    weights too (per-head q/k norm and GQA group 3 in tiny_features), and every tensor the step writes is
+    bit-identical to the register engine's (one matvec engine, the same per-lane chunk order)."""
+    from megart.models import llama
+    from megart.models.llama_config import clone_kv
+    from test_llama import FEATURES
+    cfg = llama.tiny().with_(name="tiny_features", **FEATURES) if cfg_name == "tiny_features" else llama.tiny()
+    prefix = [(k.clone(), v.clone()) for k, v in llama.make_kv_cache(cfg, 1)]
+    outs = {}
+    # (explicit depths: "auto" may decline the stream of a tiny kernel that spills under the register split)
+    for name, defines in (("registers", {"MEGART_STREAM_SLOTS": 0}), ("stream", {"MEGART_STREAM_SLOTS": 5}),
+                          ("stream8k", {"MEGART_STREAM_SLOTS": 2, "MEGART_STREAM_STAGE": 256})):
+        m = llama.LlamaModel(cfg, device="cpu", nw=4, kv=clone_kv(prefix), defines=defines)
+        m.pk.compile()
+        lay = m.pk.stream_layout()
+        assert ("qkv_rope_append" in lay.types) == (name != "registers"), (name, lay)
+        torch.manual_seed(0)
+        outs[name] = {k: v.clone() for k, v in dense_hostsim.run(m.pk, steps=1).items()}
+    assert outs["registers"].keys() == outs["stream"].keys()
+    for name in ("stream", "stream8k"):
+        for k, v in outs["registers"].items():
+            assert torch.equal(outs[name][k], v), (name, k)
+
+
+def test_auto_declines_a_stream_that_spills():
+    """"auto" (the models' default) keeps the register engine where the stream's register split would spill
+    (the tiny model's group-2 attention does), and says why; an explicit depth is honoured as asked."""
+    from megart.models import llama
+    cfg = llama.tiny()
+    m = llama.LlamaModel(cfg, device="cpu", init="empty", nw=4)
+    m.pk.compile()
+    assert m.pk.stream_declined and "spilled" in m.pk.stream_declined
+    assert m.pk.stream_layout().slots == 0 and m.pk.report.spill_bytes == 0
+    forced = llama.LlamaModel(cfg, device="cpu", init="empty", nw=4, defines={"MEGART_STREAM_SLOTS": 5})
+    forced.pk.compile()
+    assert forced.pk.stream_declined is None and forced.pk.stream_layout().slots == 5
+    assert forced.pk.report.spill_bytes > 0          # what "auto" avoided

@@ -440,10 +440,12 @@ def test_bad_shapes_are_refused():
 # --- sources, costs ---------------------------------------------------------------------------------------
 
 def test_shared_helpers_are_emitted_once():
-    """The attention bodies share tasks/attention_common.cuh, declared once and emitted once per kernel."""
+    """The attention bodies share tasks/attention_common.cuh, declared once and emitted once per kernel
+    (qkv_rope_append also runs on the dense matvec engine: tasks/dense_common.cuh, once too)."""
     from megart import codegen, registry
     types = [registry.get(n) for n in ("qkv_rope_append", "attention_decode", "attention_merge")]
-    assert all(t.headers == ("tasks/attention_common.cuh",) for t in types)
+    assert all(t.headers[0] == "tasks/attention_common.cuh" for t in types)
+    assert types[0].headers == ("tasks/attention_common.cuh", "tasks/dense_common.cuh")
     src = codegen.generate(types, codegen.KernelConfig()).text
     assert src.count("namespace megart_attn {\n#ifdef __CUDA_ARCH__\n// 16 bytes of a weight") == 1
     assert src.count("constexpr int kQkvMaxD = 8192;") == 1       # its generated constants, once too

@@ -90,6 +90,16 @@ def _check_input(cfg: LlamaConfig, inp, n=None) -> None:
         raise InputError(f"token id {int(tok)} is outside the vocabulary [0, {cfg.vocab})")
 
 
+STREAM_DEFAULT = "auto"   # the decode step streams its weights (bench/RESULTS.md: 970-978 vs 1,008 us at 1B)
+
+
+def stream_default(defines: dict | None) -> dict:
+    """The weight stream for the decode step, unless the caller's defines or MEGART_DEFINES choose."""
+    from ..config import env_defines
+    chosen = "MEGART_STREAM_SLOTS" in (defines or {}) or "MEGART_STREAM_SLOTS" in env_defines()
+    return {} if chosen else {"MEGART_STREAM_SLOTS": STREAM_DEFAULT}
+
+
 def attention_defines(cfg: LlamaConfig) -> dict:
     """Compile only the attention_decode bodies this shape runs (its head size, its instance widths)."""
     from ..tasks.attention import body_defines
@@ -124,7 +134,8 @@ class LlamaModel:
         self.kv = kv if kv is not None else make_kv_cache(cfg, kv_seed, self.device, init)
         self.pk = PersistentKernel(nw=nw, device=self.device, profile=profile, profile_steps=profile_steps,
                                    threads=threads, watchdog_s=watchdog_s, sm_count=sm_count,
-                                   defines={**attention_defines(cfg), **(defines or {})}, peers=peers)
+                                   defines={**attention_defines(cfg), **stream_default(defines),
+                                            **(defines or {})}, peers=peers)
         self.nw = self.pk.nw
         self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
         self.deps = deps

@@ -170,6 +170,7 @@ def llama_g7(context: int = 2048, headroom: int = 1024) -> LlamaConfig:
 CONFIGS = {
     "1b": lambda: llama_1b(2048),
     "1b_32k": lambda: llama_1b(32768),
+    "1b_128": lambda: llama_1b(128),      # the short context Hazy Research's Llama-1B megakernel was timed at
     "1b_fp8": lambda: llama_1b_fp8(),
     "block8b": block_8b,
     "small": small,

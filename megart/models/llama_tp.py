@@ -95,6 +95,8 @@ class LlamaTPRank(LlamaModel):
         W = weights if weights.cfg == lc else shard_weights(weights, self.rank, self.world)
         shard = kv if kv[0][0].shape[0] == lc.n_kv else shard_kv(kv, cfg, self.rank, self.world)
         kw["deps"] = "explicit"  # (LlamaModel infers by default; a rank graph declares its edges)
+        # registers unless asked: the rank kernels were measured and sanitised without the weight stream
+        kw["defines"] = {"MEGART_STREAM_SLOTS": 0, **(kw.get("defines") or {})}
         super().__init__(lc, W, shard, device=device, nw=nw, tiles=tiles, peers=peers, **kw)
 
     @property
