@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import megart
+from megart.errors import GraphError
 from megart.geometry.attention import attention_m1, attention_scratch
 from megart.models import llama
 from megart.models.llama import attention_defines
 from megart.models.llama_config import clone_kv
 from megart.models.llama_tp import LlamaTPGroup, rank_attention_chunks
-from megart.errors import GraphError
 
 pytestmark = pytest.mark.usefixtures("cpu_settings")
 
@@ -101,7 +101,7 @@ def test_emulated_tp2_attention_equals_single_gpu_per_layer():
     old = LlamaTPGroup(cfg, world, W, clone_kv(kv), nw=nw, attn_chunks="local")
     assert [m.chunks for m in group.ranks] == [one.chunks] * world == [4] * world
     assert [m.chunks for m in old.ranks] == [8] * world
-    lq, lk, hd = cfg.n_q // world * cfg.hd, cfg.n_kv // world, cfg.hd
+    lq, lk = cfg.n_q // world * cfg.hd, cfg.n_kv // world
     tok = 5
     for s in range(2):
         _, t1 = one.step(tok)
