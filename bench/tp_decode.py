@@ -19,7 +19,7 @@ All in one run, every figure measured here:
              tokens (megart.models.reference, "bf16" precision: what the single-GPU gate of 3e-2 is measured
              against); each relerr also has its _median, and relerr_per_step lists all three per step
 * kv_chunks_per_head  a rank's attention chunks (--attn-chunks match: TP=1's, the default; local: the old split)
-* profile    (--profile, after every timed figure, in builds of their own) per rank, the profiled TP step per
+* profile    (--profile, last, after every timed figure, in builds of their own) per rank, the profiled TP step per
              call kind summed over layers (wall, slowCTA, sumCTA, wait; bytes and their floor), and rank 0's
              profiled TP=1 step the same way; `profile.table` lines them up. --spans DIR keeps the raw records.
 Only rank 0 writes the JSON (--out); figures are printed by every rank to stderr.
@@ -462,13 +462,8 @@ def main(argv=None):
     except Exception as exc:
         res["allreduce_error"] = f"{type(exc).__name__}: {exc}"[:500]
         log("all-reduce bench failed:", res["allreduce_error"])
-    if args.profile:
-        try:
-            res["profile"] = profile_all(args, cfg, one, Ws, kvs, tp.nw, bw, rank, world, dev)
-        except Exception as exc:
-            res["profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
-            log("profile failed:", res["profile_error"])
-    del one
+    if not args.profile:
+        del one
     tp.sync()
     try:
         res["torch_tp2_graphed_us"] = round(time_torch_tp(cfg, lc, Ws, kvs, world, rank, timer, args.steps), 1)
@@ -476,6 +471,12 @@ def main(argv=None):
     except Exception as exc:
         res["torch_tp2_error"] = f"{type(exc).__name__}: {exc}"[:500]
         log("torch TP=2 failed:", res["torch_tp2_error"])
+    if args.profile:     # last: every figure above is timed before any profiled build exists
+        try:
+            res["profile"] = profile_all(args, cfg, one, Ws, kvs, tp.nw, bw, rank, world, dev)
+        except Exception as exc:
+            res["profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            log("profile failed:", res["profile_error"])
     if rank == 0:
         if res.get("tp1_us"):
             res["tp2_over_tp1"] = round(res["tp2_us"] / res["tp1_us"], 3)
