@@ -1,6 +1,7 @@
 """Tensor-parallel decode of the Llama-3.1-8B shape on the GPUs of one host (docs/TP.md).
 
     scripts/tp_run.sh bench/tp_decode.py --out bench/results/tp_decode.json     (one process per GPU)
+    scripts/tp_run.sh bench/tp_decode.py --profile --out ...                     (+ where the time goes)
 
 All in one run, every figure measured here:
 * tp1_us     single-GPU megart step (rank 0's GPU, the others idle), median us/step
@@ -14,6 +15,13 @@ All in one run, every figure measured here:
 * relerr     TP=2 logits vs single-GPU megart, max over a 100-step greedy run (the single-GPU run's tokens
              are fed to both, so every step compares the same input); token_agreement counts the steps whose
              TP=2 argmax equals the single-GPU token
+* relerr_tp1_ref / relerr_tp2_ref  TP=1 and TP=2 logits, each against the PyTorch reference fed the same
+             tokens (megart.models.reference, "bf16" precision: what the single-GPU gate of 3e-2 is measured
+             against); each relerr also has its _median, and relerr_per_step lists all three per step
+* kv_chunks_per_head  a rank's attention chunks (--attn-chunks match: TP=1's, the default; local: the old split)
+* profile    (--profile, last, after every timed figure, in builds of their own) per rank, the profiled TP step per
+             call kind summed over layers (wall, slowCTA, sumCTA, wait; bytes and their floor), and rank 0's
+             profiled TP=1 step the same way; `profile.table` lines them up. --spans DIR keeps the raw records.
 Only rank 0 writes the JSON (--out); figures are printed by every rank to stderr.
 """
 from __future__ import annotations
@@ -22,6 +30,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -32,12 +41,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_decode import Timer, hbm_bandwidth, run_chunked  # noqa: E402
+from llama_decode import Timer, hbm_bandwidth, profiled_steps, run_chunked  # noqa: E402
 
 import megart  # noqa: E402
 from megart.models import llama  # noqa: E402
 from megart.models.llama_config import clone_kv  # noqa: E402
-from megart.models.llama_tp import LlamaTPRank, shard_config, shard_kv, shard_weights  # noqa: E402
+from megart.models.llama_tp import ATTN_CHUNKS, LlamaTPRank, shard_config, shard_kv, shard_weights  # noqa: E402
 from megart.models.reference import Reference  # noqa: E402
 from megart.peer_memory import SymmetricPeers, init_process_group  # noqa: E402
 
@@ -183,36 +192,193 @@ def time_torch_tp(cfg, lc, Ws, kvs, world, rank, timer, n) -> float:
 
 
 # --- correctness over a greedy run --------------------------------------------------------------------
-def greedy_relerr(one, tp, cfg, world, rank, steps, dev) -> dict:
-    """Rank 0 runs the single-GPU model greedily; the tokens are broadcast and fed to the TP model."""
-    start = 11
-    toks = torch.zeros(steps, dtype=torch.int64, device=dev)
-    ref_logits = []
-    if rank == 0:
-        one.reset(cfg.prefill, start, clear_kv=True)
-        t = start
-        for s in range(steps):
-            lg, tok = one.step(t)
-            ref_logits.append(lg.clone())
-            t = int(tok)
-            toks[s] = t
-    dist.broadcast(toks, 0)
-    tp.reset(cfg.prefill, start, clear_kv=True)
-    errs, agree = [], 0
+REF_GATE = 3e-2     # the single-GPU gate against the reference (tests/gpu/test_llama_gpu.py TOL, "bf16" precision)
+
+
+def greedy_tp1(one, ref, cfg, start, steps):
+    """The single-GPU model greedily from token `start` at cfg.prefill; the reference (or None) fed the same
+    tokens at the same positions. Returns (each step's input token, TP=1's tokens, its logits, the reference's)."""
+    one.reset(cfg.prefill, start, clear_kv=True)
+    ins, toks, l1, lr = [], [], [], []
     t = start
-    lo, hi = tp.vocab_slice
     for s in range(steps):
+        lg, tok = one.step(t)
+        l1.append(lg.clone())
+        if ref is not None:
+            lr.append(ref.step(t, cfg.prefill + s).float())
+        ins.append(t)
+        t = int(tok)
+        toks.append(t)
+    return ins, toks, l1, lr
+
+
+def feed(step, ins):
+    """step(token) -> (full logits, token) over the given inputs: (each step's logits, its tokens)."""
+    logits, toks = [], []
+    for t in ins:
+        lg, tok = step(t)
+        logits.append(lg.clone())
+        toks.append(int(tok))
+    return logits, toks
+
+
+def _max_median(key, errs) -> dict:
+    return {key: max(errs) if errs else None, key + "_median": med(errs) if errs else None}
+
+
+def relerr_report(l1, lr, l2, toks1, toks2) -> dict:
+    """The greedy run's JSON fields: relerr (TP=2 vs TP=1 megart, as before), relerr_tp1_ref and
+    relerr_tp2_ref (each against the reference), each with its _median; token agreements; per-step lists."""
+    n = len(l1)
+    e12 = [llama.relerr(b, a) for a, b in zip(l1, l2)]
+    e1r = [llama.relerr(a, r) for a, r in zip(l1, lr)]
+    e2r = [llama.relerr(b, r) for b, r in zip(l2, lr)]
+    out = {**_max_median("relerr", e12), **_max_median("relerr_tp1_ref", e1r), **_max_median("relerr_tp2_ref", e2r)}
+    out["token_agreement"] = f"{sum(a == b for a, b in zip(toks1, toks2))}/{n}"
+    if lr:
+        out["token_agreement_ref"] = f"{sum(int(torch.argmax(r)) == a for r, a in zip(lr, toks1))}/{n}"
+        out["relerr_ref_gate"] = REF_GATE
+    out["relerr_per_step"] = {k: [round(e, 5) for e in v] for k, v in
+                              (("tp2_tp1", e12), ("tp1_ref", e1r), ("tp2_ref", e2r)) if v}
+    return out
+
+
+def greedy_relerr(one, tp, cfg, world, rank, steps, dev) -> dict:
+    """Rank 0 runs the single-GPU model greedily and the reference ("bf16" precision, the single-GPU gate's)
+    on its tokens; the inputs are broadcast and fed to the TP model."""
+    start = 11
+    ins = torch.zeros(steps, dtype=torch.int64, device=dev)
+    toks1 = l1 = lr = None
+    if rank == 0:
+        ref = Reference(cfg, one.weights, one.kv)      # (its own copy of the prefilled caches)
+        got, toks1, l1, lr = greedy_tp1(one, ref, cfg, start, steps)
+        ins.copy_(torch.tensor(got, dtype=torch.int64))
+        del ref
+    dist.broadcast(ins, 0)
+    lo, hi = tp.vocab_slice
+
+    def step_full(t):
         lg, tok = tp.step(t)
         parts = [torch.empty(hi - lo, dtype=torch.float32, device=dev) for _ in range(world)]
         dist.all_gather(parts, lg)
-        if rank == 0:
-            full = torch.cat(parts)
-            errs.append(llama.relerr(full, ref_logits[s]))
-            agree += int(int(tok) == int(toks[s]))
-        t = int(toks[s])
+        return torch.cat(parts), tok
+    tp.reset(cfg.prefill, start, clear_kv=True)
+    l2, toks2 = feed(step_full, ins.tolist())
     tp.sync()
-    return dict(relerr=max(errs) if errs else None, relerr_median=med(errs) if errs else None,
-                token_agreement=f"{agree}/{steps}" if rank == 0 else None, greedy_steps=steps)
+    if rank != 0:
+        return dict(greedy_steps=steps)
+    return dict(greedy_steps=steps, **relerr_report(l1, lr, l2, toks1, toks2))
+
+
+# --- where the time goes: profiled builds (after every timed figure; their own kernels) ------------------
+SUMMED = ("calls", "instances", "wall_us", "slow_cta_us", "sum_cta_us", "wait_us", "wait_share")
+
+
+def _kind(kind: str) -> str:
+    """'lm_put1' -> 'lm_put', 'o.put3' -> 'o.put': a peer copy's label names its peer, which differs by rank."""
+    return re.sub(r"put\d+$", "put", kind)
+
+
+def call_summary(m, prof, bw: float = float("nan")) -> dict:
+    """m.call_breakdown(prof) (per call kind, summed over layers; medians over steps, us), peer copies to every
+    peer as one kind, with each kind's bytes (its calls' cost models) and floor_us (those bytes at bw B/s)."""
+    nbytes, rows = {}, {}
+    for lb, g in m.groups.items():
+        c = g.cost()
+        k = _kind(m.call_kind(lb))
+        nbytes[k] = nbytes.get(k, 0) + (int(c.bytes) if c is not None else 0)
+    for row in m.call_breakdown(prof):
+        k = _kind(row["kind"])
+        acc = rows.setdefault(k, dict(kind=k, **{f: 0 for f in SUMMED}))
+        for f in SUMMED:
+            acc[f] += row[f]
+    calls = []
+    for k, row in rows.items():
+        b = nbytes.get(k, 0)
+        calls.append({**{f: round(v, 4 if f == "wait_share" else 2) if isinstance(v, float) else v
+                         for f, v in row.items()},
+                      "bytes": b, "floor_us": round(b / bw * 1e6, 2) if bw == bw and bw > 0 else None})
+    walls = list(prof.step_walls() / 1e3)
+    return dict(rank=getattr(m, "rank", 0), steps=len(prof.steps), source=prof.source,
+                step_wall_us=round(med(walls), 1), calls=calls)
+
+
+def compare_table(summaries: dict) -> str:
+    """One line per call kind: wall / slowCTA / wait (us) of each summary (name -> call_summary), then the floor of
+    the first TP rank's bytes; kinds in first-seen order."""
+    kinds = list(dict.fromkeys(c["kind"] for s in summaries.values() for c in s["calls"]))
+    by = {n: {c["kind"]: c for c in s["calls"]} for n, s in summaries.items()}
+    names = list(summaries)
+    floor_of = next((n for n in names if n != "tp1"), names[0])
+    head = ["kind"] + [f"{n} wall/slowCTA/wait" for n in names] + [f"{floor_of} floor"]
+    rows = [["step"] + [f"{summaries[n]['step_wall_us']:.1f}" for n in names] + [""]]
+    for k in kinds:
+        cell = lambda n: ("/".join(f"{by[n][k][f]:.1f}" for f in ("wall_us", "slow_cta_us", "wait_us"))  # noqa
+                          if k in by[n] else "-")
+        fl = by[floor_of].get(k, {}).get("floor_us")
+        rows.append([k] + [cell(n) for n in names] + [f"{fl:.1f}" if fl is not None else "-"])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    fmt = lambda r: "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])  # noqa
+    return "\n".join(["per call kind, summed over layers, medians over the profiled steps (us; profiled builds)",
+                      fmt(head)] + [fmt(r) for r in rows])
+
+
+def _save_spans(m, prof, path: Path) -> None:
+    import numpy as np
+    from megart.profile import INSTANCE
+    labels, call_of = m.call_index(int(prof.records[:, INSTANCE].max()) + 1 if len(prof.records) else 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, records=prof.records, call_of=call_of, labels=np.array(labels))
+
+
+def profile_tp(cfg, Ws, kvs, dev, nw, steps, attn_chunks, bw, spans: Path | None = None) -> dict:
+    """Every rank: a profiled TP build (fresh peer buffers, a copy of the caches), 3 warm-up steps, `steps`
+    recorded steps in lockstep; this rank's call_summary."""
+    m = LlamaTPRank(cfg, Ws, clone_kv(kvs), peers=SymmetricPeers(device=dev), device=dev, nw=nw, profile=True,
+                    profile_steps=steps, attn_chunks=attn_chunks)
+    m.reset(cfg.prefill, 3)
+    m.peers.barrier()
+    for _ in range(3):
+        m.step()
+    m.sync()
+    m.pk.reset_profile(steps)
+    m.peers.barrier()
+    for _ in range(steps):
+        m.step()
+    m.sync()
+    prof = m.pk.profile()
+    if spans is not None:
+        _save_spans(m, prof, spans / f"tp{m.world}_rank{m.rank}.npz")
+    return call_summary(m, prof, bw)
+
+
+def profile_tp1(cfg, one, nw, steps, bw, spans: Path | None = None) -> dict:
+    m, prof = profiled_steps(cfg, one.weights, clone_kv(one.kv), nw, steps)
+    if spans is not None:
+        _save_spans(m, prof, spans / "tp1.npz")
+    return call_summary(m, prof, bw)
+
+
+def profile_all(args, cfg, one, Ws, kvs, nw, bw, rank, world, dev) -> dict:
+    """--profile: every rank's profiled TP build, rank 0's TP=1 build; printed by rank 0, returned for the JSON."""
+    spans = Path(args.spans) if args.spans else None
+    dist.barrier()
+    mine = profile_tp(cfg, Ws, kvs, dev, nw, args.profile_steps, args.attn_chunks, bw, spans)
+    ranks = [None] * world
+    dist.all_gather_object(ranks, mine)
+    out = dict(steps=args.profile_steps, note="profiled builds (span records on): figures a little above the timed "
+               "ones; calls overlap, so walls do not add up to the step", tp2=ranks)
+    if rank == 0:
+        try:
+            out["tp1"] = profile_tp1(cfg, one, nw, args.profile_steps, bw, spans)
+        except Exception as exc:
+            out["tp1_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        table = compare_table({**({"tp1": out["tp1"]} if "tp1" in out else {}),
+                               **{f"rank{s['rank']}": s for s in ranks}})
+        out["table"] = table
+        print(table, file=sys.stderr, flush=True)
+    dist.barrier()
+    return out
 
 
 def main(argv=None):
@@ -223,6 +389,12 @@ def main(argv=None):
     ap.add_argument("--greedy", type=int, default=100, help="steps of the relerr run")
     ap.add_argument("--rounds", type=int, default=64, help="all-reduces per timed chain")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--attn-chunks", default="match", choices=ATTN_CHUNKS,
+                    help="a rank's KV chunks per kv head: match TP=1's (default) or nw // its kv heads (the old split)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed figures: profiled TP and TP=1 builds, per call kind (JSON 'profile')")
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--spans", default="", help="with --profile: a folder for each build's raw span records (.npz)")
     ap.add_argument("--commit", default=os.environ.get("MEGART_COMMIT", ""))
     args = ap.parse_args(argv)
     rank, world, dev = init_process_group()
@@ -241,8 +413,9 @@ def main(argv=None):
     lc = shard_config(cfg, world)
     Ws, kvs = shard_weights(W, rank, world), shard_kv(kv, cfg, rank, world)
     del W, kv
-    tp = LlamaTPRank(cfg, Ws, kvs, peers=SymmetricPeers(device=dev), device=dev)
+    tp = LlamaTPRank(cfg, Ws, kvs, peers=SymmetricPeers(device=dev), device=dev, attn_chunks=args.attn_chunks)
     log(f"built + compiled in {time.time() - t0:.1f} s; {tp.describe()}")
+    res.update(attn_chunks=args.attn_chunks, kv_chunks_per_head=tp.chunks)
     bw, how = hbm_bandwidth(dev)
     mid = cfg.prefill + args.steps // 2
     floors = [torch.tensor([tp.bytes_per_step(mid) / bw * 1e6], device=dev) for _ in range(world)]
@@ -264,7 +437,11 @@ def main(argv=None):
     log(f"TP=2 {res['tp2_us']} us/step (per rank {res['tp2_us_per_rank']}), floor {res['floor_us_per_gpu']}")
     try:
         res.update(greedy_relerr(one, tp, cfg, world, rank, args.greedy, dev))
-        log(f"relerr max {res['relerr']} median {res['relerr_median']} tokens {res['token_agreement']}")
+        if rank == 0:
+            e = lambda k: "-" if res.get(k) is None else f"{res[k]:.3e}"  # noqa: E731
+            log(f"relerr vs TP=1 max {e('relerr')} median {e('relerr_median')}, tokens {res['token_agreement']}; "
+                f"vs reference (gate {REF_GATE}): TP=1 max {e('relerr_tp1_ref')} median {e('relerr_tp1_ref_median')}, "
+                f"TP=2 max {e('relerr_tp2_ref')} median {e('relerr_tp2_ref_median')}")
     except Exception as exc:   # recorded, not hidden: the JSON says what failed
         res["relerr_error"] = f"{type(exc).__name__}: {exc}"[:500]
         log("greedy relerr failed:", res["relerr_error"])
@@ -285,7 +462,8 @@ def main(argv=None):
     except Exception as exc:
         res["allreduce_error"] = f"{type(exc).__name__}: {exc}"[:500]
         log("all-reduce bench failed:", res["allreduce_error"])
-    del one
+    if not args.profile:
+        del one
     tp.sync()
     try:
         res["torch_tp2_graphed_us"] = round(time_torch_tp(cfg, lc, Ws, kvs, world, rank, timer, args.steps), 1)
@@ -293,6 +471,12 @@ def main(argv=None):
     except Exception as exc:
         res["torch_tp2_error"] = f"{type(exc).__name__}: {exc}"[:500]
         log("torch TP=2 failed:", res["torch_tp2_error"])
+    if args.profile:     # last: every figure above is timed before any profiled build exists
+        try:
+            res["profile"] = profile_all(args, cfg, one, Ws, kvs, tp.nw, bw, rank, world, dev)
+        except Exception as exc:
+            res["profile_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            log("profile failed:", res["profile_error"])
     if rank == 0:
         if res.get("tp1_us"):
             res["tp2_over_tp1"] = round(res["tp2_us"] / res["tp1_us"], 3)

@@ -3,7 +3,8 @@
 Every rank runs its own persistent megakernel over its shard, one launch per step; the ranks exchange
 partial sums inside the kernels through peer events (no host work, no NCCL call per step):
 
-    qkv_rope_append, attention, merge       this rank's q heads and kv heads (column-parallel by heads)
+    qkv_rope_append, attention, merge       this rank's q heads and kv heads (column-parallel by heads), each
+                                            kv head in TP=1's KV chunks (same bits from the same q and cache)
     o_proj gemv_partial -> slot r           row-parallel: a d-sized f32 partial in this rank's slot; at TP=2
                                             each instance also stores its rows into the peer's slot r and
                                             signals the peer event there (system scope)
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import GraphError
-from .llama import LlamaModel
+from .llama import LlamaModel, default_tiles
 from .llama_config import LlamaConfig, LlamaWeights, make_kv_cache, make_weights
 
 
@@ -75,6 +76,20 @@ def empty_shard(cfg: LlamaConfig, world: int, device="cpu") -> tuple:
     return W, make_kv_cache(lc, device=device, init="empty")
 
 
+ATTN_CHUNKS = ("match", "local")
+
+
+def rank_attention_chunks(cfg: LlamaConfig, world: int, nw: int, how: str = "match") -> int:
+    """KV chunks per kv head of a rank's attention. "match" (the default): as many as the single-GPU model
+    of the full shape uses on nw workers (nw // n_kv), so each kv head's chunks cover the same positions
+    and merge in the same f32 order as at TP=1 (the same bits from the same q and cache). "local": nw //
+    the rank's kv heads, world times more and shorter chunks (every worker busy in attention; a different
+    merge order from TP=1's)."""
+    if how not in ATTN_CHUNKS:
+        raise GraphError(f"attn_chunks must be one of {ATTN_CHUNKS}, got {how!r}")
+    return default_tiles(cfg if how == "match" else shard_config(cfg, world), nw)["attn_chunks"]
+
+
 def shard_kv(kv: list, cfg: LlamaConfig, rank: int, world: int) -> list:
     h = cfg.n_kv // world
     return [(k[rank * h:(rank + 1) * h].clone(), vv[rank * h:(rank + 1) * h].clone()) for k, vv in kv]
@@ -83,14 +98,17 @@ def shard_kv(kv: list, cfg: LlamaConfig, rank: int, world: int) -> list:
 class LlamaTPRank(LlamaModel):
     """Rank `peers.rank` of a tensor-parallel decoder. `weights` / `kv` are the FULL model's (sharded here;
     the shards are copies, so the caller may free the full ones); cfg is the full config. step() returns
-    this rank's logits slice (vocab rows [rank V/world, (rank+1) V/world)) and the shared token."""
+    this rank's logits slice (vocab rows [rank V/world, (rank+1) V/world)) and the shared token.
+    attn_chunks: "match" or "local" (rank_attention_chunks); tiles={"attn_chunks": n} overrides both."""
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, kv: list, *, peers, device=None,
-                 nw: int | None = None, tiles: dict | None = None, **kw):
+                 nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "match", **kw):
         if kw.get("deps", "explicit") != "explicit" or kw.get("kv_refs", "partition") != "partition":
             raise GraphError("LlamaTPRank builds explicit dependencies only (deps='explicit')")
         self.full_cfg, self.rank, self.world, self.peers = cfg, peers.rank, peers.world, peers
         lc = shard_config(cfg, self.world)
+        rank_attention_chunks(cfg, self.world, 1, attn_chunks)          # (refuses an unknown mode early)
+        self.attn_chunks = attn_chunks if "attn_chunks" not in (tiles or {}) else "tiles"
         # already this rank's shards (empty_shard, or a loader that shards on the way in): taken as they are
         W = weights if weights.cfg == lc else shard_weights(weights, self.rank, self.world)
         shard = kv if kv[0][0].shape[0] == lc.n_kv else shard_kv(kv, cfg, self.rank, self.world)
@@ -106,6 +124,8 @@ class LlamaTPRank(LlamaModel):
 
     # --- buffers ------------------------------------------------------------------------------------
     def _alloc(self):
+        if self.attn_chunks != "tiles":    # (self.nw is known only now: LlamaModel asks the kernel)
+            self.tiles["attn_chunks"] = rank_attention_chunks(self.full_cfg, self.world, self.nw, self.attn_chunks)
         super()._alloc()
         c, P = self.cfg, self.peers
         self.tiles = {"put": max(1, min(8, c.d // 512)), "sum": max(1, min(self.nw, c.d // 256)),

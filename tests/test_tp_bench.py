@@ -1,0 +1,72 @@
+"""bench/tp_decode.py's helpers on the CPU (the bench itself needs torchrun and GPUs): the greedy relerr run
+against TP=1 megart and the reference, and the per-call-kind summary of a profiled build, here fed by the
+emulated TP group and the timing model's spans (megart.emulated_spans), never by measured ones."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from megart.models import llama
+from megart.models.llama_config import clone_kv
+from megart.models.llama_tp import LlamaTPGroup
+from megart.models.reference import Reference
+
+pytestmark = pytest.mark.usefixtures("cpu_settings")
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "tp_decode.py"
+NW = 16
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("tp_decode_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_greedy_relerr_fields(bench):
+    cfg, steps = llama.tiny(), 3
+    W, kv = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
+    one = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW)
+    ins, toks1, l1, lr = bench.greedy_tp1(one, Reference(cfg, W, kv), cfg, 11, steps)
+    assert ins[0] == 11 and ins[1:] == toks1[:-1] and len(lr) == steps
+    group = LlamaTPGroup(cfg, 2, W, clone_kv(kv), nw=NW)
+    l2, toks2 = bench.feed(group.step, ins)
+    res = bench.relerr_report(l1, lr, l2, toks1, toks2)
+    for k in ("relerr", "relerr_tp1_ref", "relerr_tp2_ref"):
+        assert res[k] >= res[k + "_median"] >= 0
+    assert res["relerr"] <= 2e-3 and res["relerr_tp1_ref"] <= bench.REF_GATE and res["relerr_tp2_ref"] <= bench.REF_GATE
+    assert res["token_agreement"] == res["token_agreement_ref"] == f"{steps}/{steps}"
+    assert len(res["relerr_per_step"]["tp2_ref"]) == steps
+    # each field compares what its name says: TP=2 given TP=1's logits is TP=1, and a wrong TP=2 shows
+    same = bench.relerr_report(l1, lr, l1, toks1, toks1)
+    assert same["relerr"] == 0 and same["relerr_tp2_ref"] == res["relerr_tp1_ref"]
+    bad = bench.relerr_report(l1, lr, [x.flip(0) for x in l2], toks1, toks2)
+    assert bad["relerr_tp2_ref"] > 0.5 and bad["relerr_tp1_ref"] == res["relerr_tp1_ref"]
+    # without a reference (the old run's fields only)
+    assert "relerr_tp1_ref" in bench.relerr_report(l1, [], l2, toks1, toks2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_profile_summary_per_call_kind(bench, world):
+    cfg = llama.tiny().with_(n_q=8, n_kv=4)
+    group = LlamaTPGroup(cfg, world, nw=NW)
+    bw = 4.5e12
+    sums = {f"rank{r}": bench.call_summary(m, m.pk.emulated_profile(), bw) for r, m in enumerate(group.ranks)}
+    one = llama.LlamaModel(cfg, device="cpu", nw=NW)
+    sums = {"tp1": bench.call_summary(one, one.pk.emulated_profile(), bw), **sums}
+    for name, s in sums.items():
+        kinds = {c["kind"]: c for c in s["calls"]}
+        assert s["source"].startswith("EMULATED") and s["step_wall_us"] > 0
+        assert {"qkv", "attn", "merge", "o", "gate_up", "down", "lm_head", "argmax"} <= set(kinds)
+        assert kinds["o"]["calls"] == kinds["down"]["calls"] == cfg.layers
+        assert kinds["gate_up"]["bytes"] > 2 * cfg.ffn // (1 if name == "tp1" else world) * cfg.d * 2
+        assert kinds["gate_up"]["floor_us"] == round(kinds["gate_up"]["bytes"] / bw * 1e6, 2)
+        if name != "tp1":
+            assert kinds["o.sum"]["calls"] == cfg.layers and kinds["lm_put"]["calls"] == world - 1
+            assert ("o.put" in kinds) == (world > 2)
+            if world > 2:        # one kind for the copies to every peer
+                assert kinds["o.put"]["calls"] == (world - 1) * cfg.layers
+    table = bench.compare_table(sums)
+    assert "tp1 wall/slowCTA/wait" in table and f"rank{world - 1} wall/slowCTA/wait" in table and "o.sum" in table
+    assert len(table.splitlines()) == 3 + len(dict.fromkeys(c["kind"] for s in sums.values() for c in s["calls"]))
