@@ -3,8 +3,8 @@
 Every rank runs its own persistent megakernel over its shard, one launch per step; the ranks exchange
 partial sums inside the kernels through peer events (no host work, no NCCL call per step):
 
-    qkv_rope_append, attention, merge       this rank's q heads and kv heads (column-parallel by heads), each
-                                            kv head in TP=1's KV chunks (same bits from the same q and cache)
+    qkv_rope_append, attention, merge       this rank's q heads and kv heads (column-parallel by heads); with
+                                            attn_chunks="match" each kv head in TP=1's KV chunks (same bits)
     o_proj gemv_partial -> slot r           row-parallel: a d-sized f32 partial in this rank's slot; at TP=2
                                             each instance also stores its rows into the peer's slot r and
                                             signals the peer event there (system scope)
@@ -76,15 +76,15 @@ def empty_shard(cfg: LlamaConfig, world: int, device="cpu") -> tuple:
     return W, make_kv_cache(lc, device=device, init="empty")
 
 
-ATTN_CHUNKS = ("match", "local")
+ATTN_CHUNKS = ("local", "match")
 
 
-def rank_attention_chunks(cfg: LlamaConfig, world: int, nw: int, how: str = "match") -> int:
-    """KV chunks per kv head of a rank's attention. "match" (the default): as many as the single-GPU model
-    of the full shape uses on nw workers (nw // n_kv), so each kv head's chunks cover the same positions
-    and merge in the same f32 order as at TP=1 (the same bits from the same q and cache). "local": nw //
-    the rank's kv heads, world times more and shorter chunks (every worker busy in attention; a different
-    merge order from TP=1's)."""
+def rank_attention_chunks(cfg: LlamaConfig, world: int, nw: int, how: str = "local") -> int:
+    """KV chunks per kv head of a rank's attention. "local" (the default, the split the GPU figures were
+    measured with): nw // the rank's kv heads, every worker busy in attention. "match": as many as the
+    single-GPU model of the full shape uses on nw workers (nw // n_kv), so each kv head's chunks cover the
+    same positions and merge in the same f32 order as at TP=1 (the same bits from the same q and cache;
+    half as many attention instances at TP=2, not yet timed on GPUs)."""
     if how not in ATTN_CHUNKS:
         raise GraphError(f"attn_chunks must be one of {ATTN_CHUNKS}, got {how!r}")
     return default_tiles(cfg if how == "match" else shard_config(cfg, world), nw)["attn_chunks"]
@@ -102,7 +102,7 @@ class LlamaTPRank(LlamaModel):
     attn_chunks: "match" or "local" (rank_attention_chunks); tiles={"attn_chunks": n} overrides both."""
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, kv: list, *, peers, device=None,
-                 nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "match", **kw):
+                 nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "local", **kw):
         if kw.get("deps", "explicit") != "explicit" or kw.get("kv_refs", "partition") != "partition":
             raise GraphError("LlamaTPRank builds explicit dependencies only (deps='explicit')")
         self.full_cfg, self.rank, self.world, self.peers = cfg, peers.rank, peers.world, peers
