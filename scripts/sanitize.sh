@@ -19,7 +19,7 @@ for v in "${variants[@]}"; do
     # (API errors are torch's and the driver's own probing, e.g. cuGetProcAddress; kernels are what is checked)
     timeout "${TOOL_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
       python3 scripts/sanitize_step.py --layers "${LAYERS:-16}" --defines "$defs" "$@" 2>&1 \
-      | grep -aE "ERROR SUMMARY|RACECHECK SUMMARY|sanitize_step|rror"
+      | grep -aE "ERROR SUMMARY|RACECHECK SUMMARY|sanitize_step|rror|access at|hazards"
     rc=${PIPESTATUS[0]}
     echo "exit $rc"
     [ "$rc" = 0 ] || bad=1

@@ -1,0 +1,83 @@
+"""The weight stream on a real GPU (csrc/weight_stream.cuh): the bulk copies, mbarriers and producer warps
+give the register engine's outputs bit for bit, across instances and calls, at every stage size; a stage
+that never lands ends in HangError naming the ring slot, and the context runs a good kernel afterwards.
+(The decode models stream by default, so tests/gpu/test_llama_gpu.py covers the whole step too.)"""
+import pytest
+import torch
+
+import megart
+from megart.geometry import dense as geo
+from test_tasks_dense import _broken
+
+pytestmark = pytest.mark.gpu
+
+REGISTERS = {"MEGART_STREAM_SLOTS": 0}
+ENGINES = [{"MEGART_STREAM_SLOTS": "auto"}, {"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_STAGE": 256},
+           {"MEGART_STREAM_SLOTS": 8, "MEGART_STREAM_STAGE": 64},
+           {"MEGART_STREAM_SLOTS": 3, "MEGART_STREAM_PRODUCER_WARPS": 1}]
+
+
+def _dense_chain(defines, n, k, tiles, nw, dev):
+    """gemv_m1 (norm + residual), a weightless copy, gemv_m1_fp8, gate_up_silu and lm_head_argmax in one
+    kernel: the producer streams across instances (tiles > nw) and steps over the copy."""
+    w, x = geo.dense_m1(n, k, seed=3)
+    wu, _ = geo.dense_m1(n, k, seed=4)
+    w8, s8 = geo.quantize_fp8_per_channel(w)
+    g, res = geo.norm_weight(k, seed=5), geo.dense_m1(1, n, seed=6)[1]
+    pk = megart.PersistentKernel(nw=nw, defines=defines)
+    X, W = pk.tensor(x.to(dev), "x"), pk.tensor(w.to(dev), "w")
+    out = {"y": torch.zeros(n, dtype=torch.bfloat16, device=dev), "y8": torch.zeros(n, dtype=torch.bfloat16, device=dev),
+           "h": torch.zeros(n, dtype=torch.bfloat16, device=dev), "pv": torch.zeros(tiles, device=dev),
+           "pi": torch.zeros(tiles, dtype=torch.int32, device=dev), "logits": torch.zeros(n, device=dev)}
+    pk.task("gemv_m1", y=pk.tensor(out["y"], "y"), w=W, x=X, norm_weight=pk.tensor(g.to(dev), "g"),
+            residual=pk.tensor(res.to(dev), "res"), tiles=tiles)
+    pk.task("copy", dst=pk.tensor(torch.zeros(64, device=dev), "c_dst"),
+            src=pk.tensor(torch.ones(64, device=dev), "c_src"), tiles=nw)
+    pk.task("gemv_m1_fp8", y=pk.tensor(out["y8"], "y8"), w=pk.tensor(w8.to(dev), "w8"),
+            scale=pk.tensor(s8.to(dev), "s8"), x=X, tiles=tiles)
+    pk.task("gate_up_silu", h=pk.tensor(out["h"], "h"), w_gate=W, w_up=pk.tensor(wu.to(dev), "wu"), x=X, tiles=tiles)
+    pk.task("lm_head_argmax", w=W, x=X, part_val=pk.tensor(out["pv"], "pv"), part_idx=pk.tensor(out["pi"], "pi"),
+            logits=pk.tensor(out["logits"], "logits"), tiles=tiles)
+    pk.compile()
+    return pk, out, (w, x, g, res)
+
+
+@pytest.mark.parametrize("n,k,tiles,nw", [(4096, 2048, 264, 132), (8200, 1040, 40, 16), (6, 8208, 2, 2)],
+                         ids=["2048-wide,2-per-worker", "odd-K,many-pairs", "split-K"])
+def test_stream_is_bit_identical_to_registers(n, k, tiles, nw, cuda):
+    pk, want, (w, x, g, res) = _dense_chain(REGISTERS, n, k, tiles, nw, cuda)
+    assert pk.stream_layout().slots == 0
+    pk(steps=2)
+    assert geo.relerr(want["y"].cpu(), geo.ref_gemv(w, x, norm_weight=g, residual=res)) < 1e-2
+    for defines in ENGINES:
+        spk, got, _ = _dense_chain(defines, n, k, tiles, nw, cuda)
+        assert spk.stream_layout().slots > 0, defines
+        spk(steps=2)
+        for name, t in want.items():
+            assert torch.equal(got[name], t), (defines, name)
+
+
+def test_a_stage_that_never_lands_names_the_ring_slot(tmp_path, cuda):
+    """The producer skips every stage past each warp's first row pair: the warp waits for bytes that never
+    come, the watchdog records the ring slot, and the context runs a good kernel afterwards."""
+    broken = _broken(tmp_path, "  if (!st.live) return false;\n  const long long off",
+                     "  if (!st.live || st.k > 0) return false;\n  const long long off")
+    w, x = geo.dense_m1(300, 64, seed=1)
+
+    def gemv(**kw):
+        pk = megart.PersistentKernel(nw=1, defines={"MEGART_STREAM_SLOTS": 2}, **kw)
+        y = torch.zeros(300, dtype=torch.bfloat16, device=cuda)
+        pk.task("gemv_m1", y=pk.tensor(y, "y"), w=pk.tensor(w.to(cuda), "w"), x=pk.tensor(x.to(cuda), "x"))
+        pk.compile()
+        return pk, y
+
+    bad, _ = gemv(source_overrides=broken, watchdog_s=0.5)
+    with pytest.raises(megart.HangError) as ei:
+        bad()
+    rec = ei.value.record
+    assert "weight-stream ring slot" in rec["event_name"] and "never landed" in rec["event_name"], rec
+    assert rec["task"] == "gemv_m1" and rec["worker"] == 0
+    assert torch.ones(4, device=cuda).sum().item() == 4
+    good, y = gemv()
+    good()
+    assert geo.relerr(y.cpu(), geo.ref_gemv(w, x)) < 1e-2
