@@ -320,11 +320,11 @@ __device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int 
 #ifndef MEGART_PRODUCER_THREADS
 #define MEGART_PRODUCER_THREADS 32
 #endif
-// Producer warps that issue: every warp of the producer's threads (MEGART_STREAM_PRODUCER_WARPS=1 keeps
-// one, for comparison). Producer warp p serves compute warps p, p + kProducerWarps, ... (lane l: warp
-// p + kProducerWarps * l), so each issues a share of the copies.
-#if defined(MEGART_STREAM_PRODUCER_WARPS) && MEGART_STREAM_PRODUCER_WARPS == 1
-constexpr int kProducerWarps = 1;
+// Producer warps that issue: every warp of the producer's threads, or MEGART_STREAM_PRODUCER_WARPS of them
+// (1 for comparison; megart/stream.py checks the value). Producer warp p serves compute warps p,
+// p + kProducerWarps, ... (lane l: warp p + kProducerWarps * l), so each issues a share of the copies.
+#ifdef MEGART_STREAM_PRODUCER_WARPS
+constexpr int kProducerWarps = MEGART_STREAM_PRODUCER_WARPS;
 #else
 constexpr int kProducerWarps = MEGART_PRODUCER_THREADS / 32;
 #endif

@@ -148,8 +148,27 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
             slots = 0
     if not slots:
         return StreamLayout()
-    producer = str(caller_macros(cfg).get("MEGART_STREAM_PRODUCER", "1")).strip() not in ("0", "")
-    return StreamLayout(slots=slots, offset=offset, types=names, producer_warp=producer, stage_chunks=chunks)
+    producer = _choice(cfg, "MEGART_STREAM_PRODUCER", (0, 1), "a producer warpgroup (1) or lane 0 of each "
+                       "compute warp inline (0)", 1) == 1
+    lay = StreamLayout(slots=slots, offset=offset, types=names, producer_warp=producer, stage_chunks=chunks)
+    most = max(1, lay.producer_threads(cfg.threads) // 32)
+    _choice(cfg, "MEGART_STREAM_PRODUCER_WARPS", tuple(range(1, most + 1)),
+            f"producer warps that issue copies (the producer has {most} at {cfg.threads} compute threads)", most)
+    _choice(cfg, "MEGART_STREAM_POLL", (0, 1), "the producer polls free slots without suspending (1) or with "
+            "the suspending try_wait (0)", 1)
+    return lay
+
+
+def _choice(cfg: KernelConfig, name: str, allowed: tuple, what: str, default: int) -> int:
+    """The integer macro `name` of the caller's defines, one of `allowed`; else a GraphError naming it."""
+    v = caller_macros(cfg).get(name, default)
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        n = None
+    if n not in allowed:
+        raise GraphError(f"{name}={v!r}: expected one of {', '.join(map(str, allowed))} ({what})")
+    return n
 
 
 

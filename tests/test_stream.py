@@ -84,6 +84,12 @@ def test_bad_requests_are_named():
         stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": "lots"}))
     with pytest.raises(GraphError, match="MEGART_DENSE_RING_SLOTS"):
         stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 2, "MEGART_DENSE_RING_SLOTS": 2}))
+    for name, bad in (("MEGART_STREAM_PRODUCER_WARPS", 5), ("MEGART_STREAM_PRODUCER_WARPS", "all"),
+                      ("MEGART_STREAM_POLL", 2), ("MEGART_STREAM_PRODUCER", "yes")):
+        with pytest.raises(GraphError, match=name):
+            stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 2, name: bad}))
+    one = {"MEGART_STREAM_SLOTS": 2, "MEGART_STREAM_PRODUCER_WARPS": 1, "MEGART_STREAM_POLL": 0}
+    assert stream.layout(_types("gemv_m1"), KernelConfig(defines=one)).slots == 2
     too_deep = STREAM(4) | {"MEGART_STREAM_STAGE": 256}                     # 8 warps x 4 x 8 KB + 33 KB
     pk = megart.PersistentKernel(nw=2, device="cpu", defines=too_deep)
     w, x = geo.dense_m1(64, 256, seed=1)
