@@ -225,6 +225,40 @@ def test_gate_up_silu(f, k, tiles, norm):
     gate("gate_up_silu", emu["h"], dev["h"], ref, drop)
 
 
+@pytest.mark.parametrize("f,k,tiles,norm", [
+    pytest.param(8192, 2048, 132, True, id="1b-norm"),
+    pytest.param(1000, 272, 7, False, id="odd"),
+])
+def test_gate_up_silu_fp8(f, k, tiles, norm):
+    """The fp8 form: e4m3 gate and up rows with per-row scales (gemv_m1_fp8's format), fp32 gate and up."""
+    wg, x = geo.dense_m1(f, k, seed=21)
+    wu, _ = geo.dense_m1(f, k, seed=22)
+    (wg8, sg), (wu8, su) = geo.quantize_fp8_per_channel(wg), geo.quantize_fp8_per_channel(wu)
+    g = geo.norm_weight(k, seed=23) if norm else None
+    pk = kernel()
+    H = pk.tensor(torch.zeros(f, dtype=torch.bfloat16), "h")
+    pk.task("gate_up_silu_fp8", h=H, w_gate=pk.tensor(wg8, "wg8"), w_up=pk.tensor(wu8, "wu8"),
+            s_gate=pk.tensor(sg, "sg"), s_up=pk.tensor(su, "su"), x=pk.tensor(x, "x"),
+            norm_weight=pk.tensor(g, "g") if g is not None else None, tiles=tiles)
+    emu, dev = run(pk)
+    xs = geo.ref_rmsnorm(x, g).float() if norm else x.float()
+    gate_, up = (wg8.float() @ xs) * sg, (wu8.float() @ xs) * su
+    ref = torch.nn.functional.silu(gate_) * up
+    drop = gate_ * up                                                          # forgot the silu
+    gate("gate_up_silu_fp8", emu["h"], dev["h"], ref, drop)
+    # the quantisation stays small next to the bf16 weights it came from
+    assert geo.relerr(ref, geo.ref_gate_up_silu(wg, wu, x, norm_weight=g)) < 0.1
+    bad = kernel(4)
+    T = bad.tensor
+    args = dict(h=T(torch.zeros(f, dtype=torch.bfloat16), "h"), w_gate=T(wg8, "wg8"), w_up=T(wu8, "wu8"),
+                s_gate=T(sg, "sg"), s_up=T(su, "su"))
+    with pytest.raises(GraphError, match="multiple of 16"):
+        bad.task("gate_up_silu_fp8", **args, x=T(x[:8].clone(), "x8"))
+    with pytest.raises(GraphError, match="s_up"):
+        bad.task("gate_up_silu_fp8", **{**args, "s_up": T(su[:-1].clone(), "su_short")}, x=T(x, "x"))
+    assert not bad.graph.instances
+
+
 def test_gate_up_silu_rejects():
     pk = kernel(4)
     x = pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "x")
@@ -649,6 +683,9 @@ def test_weight_engines_are_bit_identical_to_the_register_path(n, k, tiles, nw):
                 scale=pk.tensor(s8, "s8"), x=X, tiles=tiles)
         pk.task("gate_up_silu", h=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "h"), w_gate=W,
                 w_up=pk.tensor(wu, "wu"), x=X, tiles=tiles)
+        W8, S8 = pk.tensor(w8, "gw8"), pk.tensor(s8, "gs8")
+        pk.task("gate_up_silu_fp8", h=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "h8"), w_gate=W8, w_up=W8,
+                s_gate=S8, s_up=S8, x=X, norm_weight=G, tiles=tiles)
         pk.task("lm_head_argmax", w=W, x=X, part_val=pk.tensor(torch.zeros(tiles), "pv"),
                 part_idx=pk.tensor(torch.zeros(tiles, dtype=torch.int32), "pi"),
                 logits=pk.tensor(torch.zeros(n), "logits"), tiles=tiles)
@@ -661,7 +698,7 @@ def test_weight_engines_are_bit_identical_to_the_register_path(n, k, tiles, nw):
         outs[threads, str(defines)] = {kk: v.clone() for kk, v in dense_hostsim.run(pk, steps=2).items()}
     assert geo.relerr(outs[256, str(REGISTERS)]["y"], geo.ref_gemv(w, x, norm_weight=g, residual=res)) < 1e-2
     for threads, defines in ENGINES:
-        for name in ("y", "y8", "h", "pv", "pi", "logits"):
+        for name in ("y", "y8", "h", "h8", "pv", "pi", "logits"):
             assert torch.equal(outs[threads, str(defines)][name], outs[threads, str(REGISTERS)][name]), \
                 (threads, defines, name)
 

@@ -261,9 +261,16 @@ class LlamaModel:
         return self._task(key, "gemv_m1", after, y=y, w=w, x=x, residual=residual, tiles=tiles)
 
     def _gate_up_fp8(self, p, L, h, xm, g_o):
-        """fp8 has no fused gate_up_silu: one gemv_m1_fp8 over the stacked [2 ffn, d] gate|up matrix (fused
-        post-attention norm) into gu, then silu_mul(h, gu[:ffn], gu[ffn:])."""
+        """cfg.fp8_gate_up "split": one gemv_m1_fp8 over the stacked [2 ffn, d] gate|up matrix (fused
+        post-attention norm) into gu, then silu_mul(h, gu[:ffn], gu[ffn:]); "fused": gate_up_silu_fp8 over the
+        same rows and scales (gate and up in fp32, never stored)."""
         c, T = self.cfg, self.pk.tensor
+        if c.fp8_gate_up == "fused":
+            wgu, swgu = T(L["wgu"], p + "wgu"), T(L["swgu"], p + "swgu")
+            return self._task(p + "gate_up", "gate_up_silu_fp8", [g_o], h=h, w_gate=wgu.ref(0, c.ffn * c.d),
+                              w_up=wgu.ref(c.ffn * c.d, c.ffn * c.d), s_gate=swgu.ref(0, c.ffn),
+                              s_up=swgu.ref(c.ffn, c.ffn), x=xm, norm_weight=T(L["post_norm"], p + "post_norm"),
+                              eps=c.eps, tiles=self.tiles["gate_up"])
         gu = torch.zeros(2 * c.ffn, dtype=torch.bfloat16, device=self.device)
         self.gu = getattr(self, "gu", []) + [gu]
         gut = T(gu, p + "gu")

@@ -39,10 +39,15 @@ class LlamaConfig:
     # original_max_position_embeddings); () = none
     rope_llama3: tuple = ()
     qk_norm: bool = False         # Qwen3: RMSNorm per head on q and k (gains [hd]) before RoPE
+    # fp8 only: "split" = one gemv_m1_fp8 over the stacked gate|up rows (bf16 out) then silu_mul; "fused" =
+    # gate_up_silu_fp8 (gate and up in fp32, one call fewer per layer; not yet timed on a GPU)
+    fp8_gate_up: str = "split"
 
     def __post_init__(self):
         if self.wdtype not in ("bf16", "fp8"):
             raise ValueError(f"wdtype must be 'bf16' or 'fp8', got {self.wdtype!r}")
+        if self.fp8_gate_up not in ("split", "fused"):
+            raise ValueError(f"fp8_gate_up must be 'split' or 'fused', got {self.fp8_gate_up!r}")
         if self.n_q % self.n_kv:
             raise ValueError(f"n_q={self.n_q} must be a multiple of n_kv={self.n_kv}")
         if self.hd % 2:
@@ -172,6 +177,7 @@ CONFIGS = {
     "1b_32k": lambda: llama_1b(32768),
     "1b_128": lambda: llama_1b(128),      # the short context Hazy Research's Llama-1B megakernel was timed at
     "1b_fp8": lambda: llama_1b_fp8(),
+    "1b_fp8_fused": lambda: llama_1b_fp8().with_(name="llama1b_fp8_fused", fp8_gate_up="fused"),
     "block8b": block_8b,
     "small": small,
     "3b": llama_3b,
@@ -181,6 +187,7 @@ CONFIGS = {
     "g7_7b": llama_g7,
     "tiny": tiny,
     "tiny_fp8": lambda: tiny(wdtype="fp8"),
+    "tiny_fp8_fused": lambda: tiny(wdtype="fp8").with_(name="tiny_fp8_fused", fp8_gate_up="fused"),
     "tiny_block": lambda: tiny(vocab=0),
 }
 

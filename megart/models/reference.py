@@ -45,7 +45,8 @@ class Reference:
         self.dt = torch.float32 if precision == "fp32" else torch.bfloat16
         dev = weights.layers[0]["wqkv"].device
         self.device = dev
-        self.fp8_storage = precision == "bf16" and cfg.wdtype == "fp8"   # gate/up stored bf16 before silu_mul
+        # the "split" fp8 graph stores gate|up in bf16 before silu_mul
+        self.fp8_storage = precision == "bf16" and cfg.wdtype == "fp8" and cfg.fp8_gate_up == "split"
         # the matrices as this precision multiplies them (bf16 tensors are shared, never copied, in
         # "bf16"/"torch"; "bf16" keeps fp8 as (bytes, scales) and dequantises exactly per call)
         self.layers = []
