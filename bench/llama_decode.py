@@ -1,7 +1,7 @@
 """Llama decode step: megart's one-launch megakernel against torch (eager, CUDA-graphed, torch.compile) and
 the HBM floor, all measured in this one process (the floor and torch.compile run as said below).
 
-    PYTHONPATH=. python bench/llama_decode.py [--configs 1b,1b_128,1b_fp8,1b_fp8_fused,1b_32k,block8b] [--steps 300]
+    PYTHONPATH=. python bench/llama_decode.py [--configs 1b,1b_128,1b_fp8,1b_fp8_fused,1b_fp8_all,1b_32k,block8b] [--steps 300]
                                               [--out out/llama_decode] [--compile-modes max-autotune]
 
 Checkpoint shapes (issue 10): --configs 3b,8b,qwen3_0.6b,qwen3_8b,g7_7b (Llama-3.2-3B: GQA group 3;
@@ -49,7 +49,7 @@ from megart.models import llama  # noqa: E402
 from megart.models.llama_config import clone_kv  # noqa: E402
 from megart.models.reference import Reference  # noqa: E402
 
-DEFAULT_CONFIGS = "1b,1b_128,1b_fp8,1b_fp8_fused,1b_32k,block8b"
+DEFAULT_CONFIGS = "1b,1b_128,1b_fp8,1b_fp8_fused,1b_fp8_all,1b_32k,block8b"
 
 
 def log(*a):

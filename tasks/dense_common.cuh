@@ -600,6 +600,37 @@ __device__ __forceinline__ void block_argmax(float& bv, int& bi, float* scratch)
   }
 }
 
+// The LM head's body (lm_head_argmax, lm_head_argmax_fp8): the logits of the instance's rows (FP8: times
+// the row's scale after the fp32 dot), stored when kFlagLogits, and the instance's (max, row) partial.
+template <bool FP8, class P, class Rows>
+__device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>& plan, const float* scale, char* smem) {
+  uint4* xs = xs_of(smem);
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const bool store = p.flags & kFlagLogits;
+  const int lane = threadIdx.x & 31;
+  float bv = neg_inf();
+  int bi = kNoIndex;
+  matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), [&](int g, float a, float b) {
+    const int r = 2 * g;
+    if constexpr (FP8) {
+      a *= __ldg(scale + r);
+      if (r + 1 < p.n) b *= __ldg(scale + r + 1);
+    }
+    if (store && lane < 2 && r + lane < p.n) p.logits[r + lane] = lane ? b : a;
+    a = nan_low(a);
+    if (better(a, p.row0 + r, bv, bi)) { bv = a; bi = p.row0 + r; }
+    if (r + 1 < p.n) {
+      b = nan_low(b);
+      if (better(b, p.row0 + r + 1, bv, bi)) { bv = b; bi = p.row0 + r + 1; }
+    }
+  }, smem);
+  block_argmax(bv, bi, scratch_of(smem));
+  if (threadIdx.x == 0) {
+    p.part_val[0] = bv;
+    p.part_idx[0] = bi;
+  }
+}
+
 }  // namespace dense
 }  // namespace megart
 

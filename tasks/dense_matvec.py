@@ -265,10 +265,11 @@ register(TaskType(
 
 
 # ---- lm_head_argmax / argmax_reduce --------------------------------------------------------------
-def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=None, norm_weight=None, eps=1e-5):
-    task = "lm_head_argmax"
+def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=None, norm_weight=None, eps=1e-5,
+              scale=None, task="lm_head_argmax"):
+    fp8 = task == "lm_head_argmax_fp8"
     w = ref(task, w, "w")
-    x, g = _common_x(task, x, norm_weight)
+    x, g = _common_x(task, x, norm_weight, 16 if fp8 else 8)
     k = x.count
     require(w.count % k == 0, task, f"w has {w.count} elements, not a whole number of rows of {k}")
     aligned(task, w, "w")
@@ -282,6 +283,9 @@ def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=
     lg = opt_ref(logits, "logits")
     if lg is not None:
         require(lg.count == v, task, f"logits has {lg.count} elements, the vocabulary is {v}")
+    sc = ref(task, scale, "scale") if fp8 else None
+    if sc is not None:
+        require(sc.count == v, task, f"scale has {sc.count} elements, the head has {v} rows (one scale per row)")
     flags = (FLAG_LOGITS if lg is not None else 0) | (FLAG_NORM if g is not None else 0)
     out = []
     for i, (lo, hi) in enumerate(parts):
@@ -290,12 +294,16 @@ def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=
                         logits=sub(lg, lo, hi - lo) if lg is not None else val,
                         norm_weight=g,
                         n=hi - lo, k=k, row0=lo, flags=flags, eps=float(eps)))
+        if sc is not None:
+            out[-1]["scale"] = sub(sc, lo, hi - lo)
     return out
 
 
 def _lm_ref(p) -> None:
     xs = stage_x(p.x, _norm(p), p.eps)
     logits = p.w.view(p.n, p.k).float() @ xs
+    if hasattr(p, "scale"):     # lm_head_argmax_fp8: per-row scales after the fp32 dot, as the device
+        logits = logits * p.scale
     if p.flags & FLAG_LOGITS:
         p.logits.copy_(logits)
     v = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
@@ -304,9 +312,9 @@ def _lm_ref(p) -> None:
     p.part_idx[0] = p.row0 + i
 
 
-def _lm_cost(w=None, x=None, part_val=None, part_idx=None, logits=None, norm_weight=None, **_):
+def _lm_cost(w=None, x=None, part_val=None, part_idx=None, logits=None, norm_weight=None, scale=None, **_):
     w, x = ref("cost", w, "w"), ref("cost", x, "x")
-    b = nbytes(w) + nbytes(x) + nbytes(ref("cost", part_val, "part_val")) \
+    b = nbytes(w) + nbytes(opt_ref(scale, "scale")) + nbytes(x) + nbytes(ref("cost", part_val, "part_val")) \
         + nbytes(ref("cost", part_idx, "part_idx")) + nbytes(opt_ref(logits, "logits")) \
         + nbytes(opt_ref(norm_weight, "norm_weight"))
     return Cost(bytes=b, flops=2 * w.count)
@@ -323,6 +331,20 @@ register(TaskType(
         "fused: each instance writes its max logit and its row (ties: lowest) to part_val[i]/part_idx[i], "
         "and, if `logits` is given, the f32 logits of its rows. part_val/part_idx have one entry per "
         "instance (= min(tiles, V))."), builtin=True)
+
+
+register(TaskType(
+    name="lm_head_argmax_fp8", id=26, hostsim=True, tol=1e-2,
+    generated=wrappers("w", ring=True),
+    params=(ptr("w", "fp8e4m3", "weight"), ptr("scale", "f32", "weight"), ptr("x", "bf16", "in"),
+            ptr("part_val", "f32", "out"), ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"),
+            ptr("norm_weight", "bf16", "weight", optional=True),
+            scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),
+    source=source("lm_head_argmax_fp8"), headers=HEADERS, reference=_lm_ref,
+    split=lambda nw, tiles=1, **kw: _lm_split(nw, tiles, task="lm_head_argmax_fp8", **kw), cost=_lm_cost,
+    prefetch=True, **RING,
+    doc="lm_head_argmax over a pre-quantised e4m3 head W8[V,d] with per-row f32 scales (logit = scale * "
+        "(W8 x)): half the LM head's bytes. K must be a multiple of 16."), builtin=True)
 
 
 def _argmax_split(nw, tiles=1, token=None, part_val=None, part_idx=None):

@@ -337,7 +337,8 @@ def test_embedding_rejects():
 
 
 # ---- lm_head_argmax + argmax_reduce -----------------------------------------------------------------------
-def _lm_kernel(w, x, g, tiles, logits=True, nw=NW):
+def _lm_kernel(w, x, g, tiles, logits=True, nw=NW, scale=None):
+    """The LM head then argmax_reduce; with `scale`, w is an e4m3 head and lm_head_argmax_fp8 runs it."""
     pk = kernel(nw)
     v = w.shape[0]
     parts = min(tiles, v)
@@ -345,8 +346,9 @@ def _lm_kernel(w, x, g, tiles, logits=True, nw=NW):
     PV, PI = pk.tensor(torch.zeros(parts), "pv"), pk.tensor(torch.zeros(parts, dtype=torch.int32), "pi")
     L = pk.tensor(torch.zeros(v), "logits") if logits else None
     T = pk.tensor(torch.full((1,), -1, dtype=torch.int32), "token")
-    pk.task("lm_head_argmax", w=W, x=X, part_val=PV, part_idx=PI, logits=L,
-            norm_weight=pk.tensor(g, "g") if g is not None else None, eps=1e-5, tiles=tiles)
+    fp8 = {} if scale is None else {"scale": pk.tensor(scale, "s")}
+    pk.task("lm_head_argmax" if scale is None else "lm_head_argmax_fp8", w=W, x=X, part_val=PV, part_idx=PI,
+            logits=L, norm_weight=pk.tensor(g, "g") if g is not None else None, eps=1e-5, tiles=tiles, **fp8)
     pk.task("argmax_reduce", token=T, part_val=PV, part_idx=PI)
     return pk
 
@@ -370,6 +372,31 @@ def test_lm_head_argmax(v, d, tiles, norm):
         assert ref[tok] >= ref.max() - 1e-2 * ref.abs().max()
         # each partial is the max of its tile
         assert torch.equal(out["pv"], out["logits"][out["pi"].long()])
+
+
+@pytest.mark.parametrize("v,d,tiles,norm", [
+    pytest.param(16384, 2048, 132, True, id="1b-d-16k-vocab"),
+    pytest.param(1001, 272, 7, False, id="odd"),
+])
+def test_lm_head_argmax_fp8(v, d, tiles, norm):
+    """The e4m3 head with per-row scales (half the bytes): logits = scale * (W8 x), the same argmax rules."""
+    w, x = geo.dense_m1(v, d, seed=v + d + 1)
+    w8, s = geo.quantize_fp8_per_channel(w)
+    g = geo.norm_weight(d, seed=2) if norm else None
+    emu, dev = run(_lm_kernel(w8, x, g, tiles, scale=s))
+    xs = geo.ref_rmsnorm(x, g) if norm else x.float()
+    ref = (w8.float() @ xs) * s
+    drop = w8.float() @ xs                                                     # the scales forgotten
+    gate("lm_head_argmax_fp8", emu["logits"], dev["logits"], ref, drop)
+    for out in (emu, dev):
+        assert int(out["token"][0]) == int(torch.argmax(out["logits"]))
+        assert torch.equal(out["pv"], out["logits"][out["pi"].long()])
+    assert geo.relerr(ref, geo.ref_lm_head(w, x, norm_weight=g)) < 0.1      # quantisation stays small
+    bad = kernel(4)
+    with pytest.raises(GraphError, match="scale"):
+        bad.task("lm_head_argmax_fp8", w=bad.tensor(w8, "w8"), x=bad.tensor(x, "x"), scale=bad.tensor(s[:-1].clone(), "s"),
+                 part_val=bad.tensor(torch.zeros(4), "pv"), part_idx=bad.tensor(torch.zeros(4, dtype=torch.int32), "pi"),
+                 tiles=4)
 
 
 def test_lm_head_without_logits_and_ties():
@@ -686,6 +713,9 @@ def test_weight_engines_are_bit_identical_to_the_register_path(n, k, tiles, nw):
         W8, S8 = pk.tensor(w8, "gw8"), pk.tensor(s8, "gs8")
         pk.task("gate_up_silu_fp8", h=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "h8"), w_gate=W8, w_up=W8,
                 s_gate=S8, s_up=S8, x=X, norm_weight=G, tiles=tiles)
+        pk.task("lm_head_argmax_fp8", w=W8, scale=S8, x=X, part_val=pk.tensor(torch.zeros(tiles), "pv8"),
+                part_idx=pk.tensor(torch.zeros(tiles, dtype=torch.int32), "pi8"), logits=pk.tensor(torch.zeros(n), "lg8"),
+                tiles=tiles)
         pk.task("lm_head_argmax", w=W, x=X, part_val=pk.tensor(torch.zeros(tiles), "pv"),
                 part_idx=pk.tensor(torch.zeros(tiles, dtype=torch.int32), "pi"),
                 logits=pk.tensor(torch.zeros(n), "logits"), tiles=tiles)
@@ -698,7 +728,7 @@ def test_weight_engines_are_bit_identical_to_the_register_path(n, k, tiles, nw):
         outs[threads, str(defines)] = {kk: v.clone() for kk, v in dense_hostsim.run(pk, steps=2).items()}
     assert geo.relerr(outs[256, str(REGISTERS)]["y"], geo.ref_gemv(w, x, norm_weight=g, residual=res)) < 1e-2
     for threads, defines in ENGINES:
-        for name in ("y", "y8", "h", "h8", "pv", "pi", "logits"):
+        for name in ("y", "y8", "h", "h8", "pv", "pi", "logits", "pv8", "pi8", "lg8"):
             assert torch.equal(outs[threads, str(defines)][name], outs[threads, str(REGISTERS)][name]), \
                 (threads, defines, name)
 

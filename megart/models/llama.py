@@ -199,7 +199,7 @@ class LlamaModel:
         else:
             token = T(self.token, "token")
             table = T(W.embed, "embed")      # tied: the LM head streams this same table
-            head = T(W.head, "lm_head") if c.head_separate else table
+            head = T(W.head, "lm_head") if c.head_separate or c.fp8_head else table
             g_prev = self._task("embedding", "embedding", [], y=xs[0], table=table, token=token,
                                 tiles=tl["embedding"])
         fp8 = c.wdtype == "fp8"
@@ -223,8 +223,11 @@ class LlamaModel:
         if not c.block:
             pv, pi = T(self.part_val, "part_val"), T(self.part_idx, "part_idx")
             extra = dict(logits=T(self.logits, "logits")) if self.with_logits else {}
-            g_lm = self._task("lm_head", "lm_head_argmax", [g_prev], w=head, x=xs[-1], part_val=pv, part_idx=pi,
-                              norm_weight=T(W.final_norm, "final_norm"), eps=eps, tiles=tl["lm"], **extra)
+            if c.fp8_head:
+                extra["scale"] = T(W.shead, "lm_head_scale")
+            g_lm = self._task("lm_head", "lm_head_argmax_fp8" if c.fp8_head else "lm_head_argmax", [g_prev], w=head,
+                              x=xs[-1], part_val=pv, part_idx=pi, norm_weight=T(W.final_norm, "final_norm"), eps=eps,
+                              tiles=tl["lm"], **extra)
             # token is read by the embedding at the step's start: that write-after-read is implied here
             g_am = self._task("argmax", "argmax_reduce", [g_lm], token=token, part_val=pv, part_idx=pi)
             self._task("token_record", "token_record", [g_am],

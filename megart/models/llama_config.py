@@ -42,12 +42,17 @@ class LlamaConfig:
     # fp8 only: "split" = one gemv_m1_fp8 over the stacked gate|up rows (bf16 out) then silu_mul; "fused" =
     # gate_up_silu_fp8 (gate and up in fp32, one call fewer per layer; not yet timed on a GPU)
     fp8_gate_up: str = "split"
+    # fp8 only: the LM head as e4m3 + per-row f32 scales (lm_head_argmax_fp8; a tied table keeps its bf16
+    # copy for the embedding lookup). Not yet timed on a GPU, so off by default.
+    fp8_head: bool = False
 
     def __post_init__(self):
         if self.wdtype not in ("bf16", "fp8"):
             raise ValueError(f"wdtype must be 'bf16' or 'fp8', got {self.wdtype!r}")
         if self.fp8_gate_up not in ("split", "fused"):
             raise ValueError(f"fp8_gate_up must be 'split' or 'fused', got {self.fp8_gate_up!r}")
+        if self.fp8_head and self.wdtype != "fp8":
+            raise ValueError("fp8_head needs wdtype='fp8'")
         if self.n_q % self.n_kv:
             raise ValueError(f"n_q={self.n_q} must be a multiple of n_kv={self.n_kv}")
         if self.hd % 2:
@@ -80,14 +85,14 @@ class LlamaConfig:
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams (norm gains included; the embedding row ignored).
-        fp8: e4m3 o/gate/up/down + f32 scales; QKV and the LM head stay bf16 (see FP8_LINEARS)."""
+        fp8: e4m3 o/gate/up/down + f32 scales; QKV stays bf16, the LM head too unless fp8_head."""
         qkv, rest = self.qkv_rows * self.d, self.layer_params() - self.qkv_rows * self.d
         if self.wdtype == "fp8":
             per_layer = qkv * 2 + rest + (self.d + 2 * self.ffn + self.d) * 4
         else:
             per_layer = (qkv + rest) * 2
         per_layer += 2 * self.d * 2
-        head = 0 if self.block else self.vocab * self.d * 2 + self.d * 2
+        head = 0 if self.block else self.vocab * self.d * (1 + 4 / self.d if self.fp8_head else 2) + self.d * 2
         return self.layers * per_layer + head
 
     def kv_bytes(self, pos: int | None = None) -> int:
@@ -178,6 +183,7 @@ CONFIGS = {
     "1b_128": lambda: llama_1b(128),      # the short context Hazy Research's Llama-1B megakernel was timed at
     "1b_fp8": lambda: llama_1b_fp8(),
     "1b_fp8_fused": lambda: llama_1b_fp8().with_(name="llama1b_fp8_fused", fp8_gate_up="fused"),
+    "1b_fp8_all": lambda: llama_1b_fp8().with_(name="llama1b_fp8_all", fp8_gate_up="fused", fp8_head=True),
     "block8b": block_8b,
     "small": small,
     "3b": llama_3b,
@@ -188,6 +194,7 @@ CONFIGS = {
     "tiny": tiny,
     "tiny_fp8": lambda: tiny(wdtype="fp8"),
     "tiny_fp8_fused": lambda: tiny(wdtype="fp8").with_(name="tiny_fp8_fused", fp8_gate_up="fused"),
+    "tiny_fp8_all": lambda: tiny(wdtype="fp8").with_(name="tiny_fp8_all", fp8_gate_up="fused", fp8_head=True),
     "tiny_block": lambda: tiny(vocab=0),
 }
 
@@ -201,8 +208,8 @@ def config(name: str) -> LlamaConfig:
 
 # --- weights -----------------------------------------------------------------------------------------
 LINEARS = ("wqkv", "wo", "wg", "wu", "wd")
-# Matrices the fp8 variant quantises. The fused QKV projection (qkv_rope_append) and the LM head
-# (lm_head_argmax) have no e4m3 form in the task library yet, so they stay bf16 in every variant.
+# Matrices the fp8 variant quantises. The fused QKV projection (qkv_rope_append) has no e4m3 form in the
+# task library yet, so it stays bf16 in every variant; the LM head is e4m3 only with cfg.fp8_head.
 FP8_LINEARS = ("wo", "wg", "wu", "wd")
 
 
@@ -211,8 +218,8 @@ class LlamaWeights:
     """layers[i]: in_norm, post_norm (bf16 [d]); wqkv (rows: q heads, k heads, v heads), wo, wg, wu, wd
     in bf16; fp8: wo, wg, wu, wd in e4m3 with an f32 per-row scale under `s<name>` (e.g. `swo`), and
     wg / wu are the two halves of one [2 ffn, d] matrix `wgu` (scales `swgu`).
-    embed / head: bf16 [vocab, d], the same tensor when tied, two when not; shead stays None (the head is
-    bf16 in every variant, see FP8_LINEARS). qk_norm configs: layers[i] also hold q_norm, k_norm (bf16 [hd])."""
+    embed / head: bf16 [vocab, d], the same tensor when tied, two when not; with cfg.fp8_head the head is
+    e4m3 with per-row f32 scales `shead` (tied: quantised from the bf16 table, which stays the embedding). qk_norm configs: layers[i] also hold q_norm, k_norm (bf16 [hd])."""
     cfg: LlamaConfig
     layers: list = field(default_factory=list)
     embed: torch.Tensor | None = None
@@ -296,6 +303,10 @@ def make_weights(cfg: LlamaConfig, seed: int = 0, device="cpu", init: str = "ran
         W.final_norm = gain(cfg.d)
         W.head, W.shead = mat(cfg.vocab, cfg.d, False)
         W.embed = mat(cfg.vocab, cfg.d, False)[0] if cfg.head_separate else W.head
+        if cfg.fp8_head:      # (the same draws as the bf16 head, then quantised: the embedding stays bf16)
+            W.head, W.shead = (torch.empty(cfg.vocab, cfg.d, dtype=torch.float8_e4m3fn, device=device),
+                               torch.ones(cfg.vocab, dtype=torch.float32, device=device)) if init == "empty" \
+                else quantize_fp8(W.head)
     return W
 
 

@@ -68,4 +68,7 @@ def prefill_logits(cfg: LlamaConfig, W: LlamaWeights, kv: list, cos: torch.Tenso
         m = (F.silu(g) * u).to(bf)
         x = (x.float() + F.linear(m, W.linear(i, "wd")).float()).to(bf)
     h = _norm(x[-1], W.final_norm, c.eps).to(bf).float()
-    return torch.cat([W.head[r:r + HEAD_ROWS].float() @ h for r in range(0, c.vocab, HEAD_ROWS)])
+    def rows(r):      # (an e4m3 head, cfg.fp8_head: its per-row scales after the dot, as the device does)
+        out = W.head[r:r + HEAD_ROWS].float() @ h
+        return out if W.shead is None else out * W.shead[r:r + HEAD_ROWS]
+    return torch.cat([rows(r) for r in range(0, c.vocab, HEAD_ROWS)])
