@@ -4,11 +4,11 @@ their weights, how many ring slots each warp gets, and where the ring sits in sh
 The ring comes after the largest per-instance shared memory of the kernel's types (it must survive every
 instance), so its depth depends on the whole kernel. Little's law sets what it must hold: at ~33 KB per
 us per SM (4.3 TB/s over 132 SMs) and ~1-1.5 us of loaded latency, >= ~50 KB per SM in flight keeps
-the SM's share of HBM busy; 8 warps x 6 slots x 4 KB = 192 KB also covers a dependency wait.
+the SM's share of HBM busy; 8 warps x 5-6 slots x 4 KB = 160-192 KB also covers a dependency wait.
 MEGART_STREAM_SLOTS="auto" gives as many slots as the shared memory left holds (2..8), N asks for N, unset
 or 0 keeps the register engine. A PersistentKernel leaves it off unless asked (a kernel of every built-in
 type spills 16 bytes under the 232-register split); the decode models (megart/models/llama.py) ask for
-"auto": on the Llama-1B step it measured 970-978 us against the register engine's 1,008 (bench/RESULTS.md)."""
+"auto": the Llama-1B step measured 966.9 us with it against 1,010.0 with registers (bench/RESULTS.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from .config import KernelConfig, caller_macros, stream_requested
 from .errors import GraphError
 from .registry import USER_ID_BASE
-from .tasks.dense_common import SLOT_BYTES  # the default dense stage: a row pair x 256 16-byte chunks
 
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
 STATIC_RESERVE = 2048          # static shared memory of the worker (descriptor slots, stream state)
@@ -46,7 +45,7 @@ class StreamLayout:
 
     @property
     def slot_bytes(self) -> int:
-        return 2 * 16 * self.stage_chunks
+        return slot_bytes(self.stage_chunks)
 
     def producer_threads(self, threads: int) -> int:
         """The producer's threads: a warpgroup (which can hand registers to the compute warpgroups) where
@@ -103,18 +102,9 @@ def _forced(cfg: KernelConfig) -> int | None:
     return n
 
 
-def _stage_chunks(cfg: KernelConfig) -> int:
-    """MEGART_STREAM_STAGE: 16-byte chunks per row in one stage, 64, 128 (the default: a slot holds 4 KB,
-    half a 2048-wide bf16 row pair) or 256."""
-    v = caller_macros(cfg).get("MEGART_STREAM_STAGE", DEFAULT_STAGE_CHUNKS)
-    try:
-        n = int(v)
-    except (TypeError, ValueError):
-        n = None
-    if n not in STAGE_CHUNKS:
-        raise GraphError(f"MEGART_STREAM_STAGE={v!r}: expected one of {', '.join(map(str, STAGE_CHUNKS))} "
-                         "(16-byte chunks per row in one weight-stream stage)")
-    return n
+def slot_bytes(stage_chunks: int) -> int:
+    """One slot: a row pair's stage of `stage_chunks` 16-byte chunks per row."""
+    return 2 * 16 * stage_chunks
 
 
 def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLayout:
@@ -135,15 +125,16 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
         return StreamLayout()
     offset = -(-max([t.shared_bytes(cfg) for t in types] + [0]) // ALIGN) * ALIGN
     warps = cfg.threads // 32
-    chunks = _stage_chunks(cfg)
-    slot_bytes = 2 * 16 * chunks
+    # MEGART_STREAM_STAGE: 128 by default (a slot holds 4 KB, half a 2048-wide bf16 row pair)
+    chunks = _choice(cfg, "MEGART_STREAM_STAGE", STAGE_CHUNKS, "16-byte chunks per row in one weight-stream stage",
+                     DEFAULT_STAGE_CHUNKS)
     if forced is not None:
         slots = forced
     elif cfg.min_blocks > 1:
         slots = 0               # two CTAs per SM: no room for a ring worth having
     else:
         room = SMEM_PER_BLOCK - STATIC_RESERVE - offset
-        slots = min(MAX_SLOTS, room // (warps * slot_bytes))
+        slots = min(MAX_SLOTS, room // (warps * slot_bytes(chunks)))
         if slots < MIN_AUTO_SLOTS:
             slots = 0
     if not slots:
@@ -169,7 +160,6 @@ def _choice(cfg: KernelConfig, name: str, allowed: tuple, what: str, default: in
     if n not in allowed:
         raise GraphError(f"{name}={v!r}: expected one of {', '.join(map(str, allowed))} ({what})")
     return n
-
 
 
 def chosen_automatically(types, cfg: KernelConfig, overrides: dict | None = None) -> bool:

@@ -573,6 +573,31 @@ struct PairRows {
   __device__ __forceinline__ StreamRows stream_rows() const { return StreamRows{w, w + row_bytes, 2 * row_bytes, n / 2}; }
 };
 
+// The plan of a row-major W with n rows of k elements (bf16, or e4m3 with FP8): row pairs (2g, 2g + 1).
+template <bool FP8>
+__device__ __forceinline__ MatvecPlan<PairRows> pair_plan(const void* w, int n, int k) {
+  return MatvecPlan<PairRows>{(n + 1) >> 1, k >> (FP8 ? 4 : 3),
+                              PairRows{reinterpret_cast<const char*>(w), n, (FP8 ? 1ll : 2ll) * k}};
+}
+
+// gate_up_silu / gate_up_silu_fp8: group g is (gate row g, up row g), rows of k elements (bf16 or e4m3).
+template <bool FP8, class P>
+struct GateUpRows {
+  const P& p;
+  static constexpr long long kElem = FP8 ? 1 : 2;
+  __device__ __forceinline__ void operator()(int g, const void* (&w)[2]) const {
+    w[0] = reinterpret_cast<const char*>(p.w_gate) + (size_t)g * p.k * kElem;
+    w[1] = reinterpret_cast<const char*>(p.w_up) + (size_t)g * p.k * kElem;
+  }
+  __device__ __forceinline__ StreamRows stream_rows() const {  // (the weight stream)
+    return {reinterpret_cast<const char*>(p.w_gate), reinterpret_cast<const char*>(p.w_up), kElem * p.k, p.n};
+  }
+};
+template <bool FP8, class P>
+__device__ __forceinline__ MatvecPlan<GateUpRows<FP8, P>> gate_up_plan(const P& p) {
+  return MatvecPlan<GateUpRows<FP8, P>>{p.n, p.k >> (FP8 ? 4 : 3), GateUpRows<FP8, P>{p}};
+}
+
 __device__ __forceinline__ uint4* xs_of(char* smem) { return reinterpret_cast<uint4*>(smem + kScratchBytes); }
 __device__ __forceinline__ float* scratch_of(char* smem) { return reinterpret_cast<float*>(smem); }
 
@@ -598,6 +623,23 @@ __device__ __forceinline__ void block_argmax(float& bv, int& bi, float* scratch)
     for (int w = 1; w < kWarps; ++w)
       if (better(scratch[w], sidx[w], bv, bi)) { bv = scratch[w]; bi = sidx[w]; }
   }
+}
+
+// The gate/up body (gate_up_silu, gate_up_silu_fp8): h[g] = bf16(silu(gate) * up) in fp32 (FP8: each dot
+// times its row's scale first).
+template <bool FP8, class P, class Rows>
+__device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>& plan, const float* s_gate,
+                                             const float* s_up, char* smem) {
+  uint4* xs = xs_of(smem);
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  const int lane = threadIdx.x & 31;
+  matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), [&](int g, float gate, float up) {
+    if constexpr (FP8) {
+      gate *= __ldg(s_gate + g);
+      up *= __ldg(s_up + g);
+    }
+    if (lane == 0) p.h[g] = __float2bfloat16_rn(silu(gate) * up);
+  }, smem);
 }
 
 // The LM head's body (lm_head_argmax, lm_head_argmax_fp8): the logits of the instance's rows (FP8: times

@@ -172,20 +172,25 @@ register(TaskType(
     builtin=True)
 
 
-# ---- gate_up_silu --------------------------------------------------------------------------------
-def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_weight=None, eps=1e-5):
-    task = "gate_up_silu"
+# ---- gate_up_silu / gate_up_silu_fp8 -------------------------------------------------------------
+def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_weight=None, eps=1e-5,
+                   s_gate=None, s_up=None, task="gate_up_silu"):
+    fp8 = task == "gate_up_silu_fp8"     # e4m3 rows with per-row f32 scales s_gate / s_up
     h, wg, wu = ref(task, h, "h"), ref(task, w_gate, "w_gate"), ref(task, w_up, "w_up")
-    x, g = _common_x(task, x, norm_weight)
+    x, g = _common_x(task, x, norm_weight, 16 if fp8 else 8)
     f, k = h.count, x.count
     for r, nm in ((wg, "w_gate"), (wu, "w_up")):
         require(r.count == f * k, task, f"{nm} has {r.count} elements; h[{f}] needs [{f}, {k}] = {f * k}")
         check_shape(task, r, nm, (f, k), "[F, K] for h[F] and x[K]")
         aligned(task, r, nm)
+    scales = {nm: ref(task, s, nm) for s, nm in ((s_gate, "s_gate"), (s_up, "s_up"))} if fp8 else {}
+    for nm, r in scales.items():
+        require(r.count == f, task, f"{nm} has {r.count} elements, h has {f} (one scale per row)")
     disjoint(task, h, "h", x, "x")
     flags = FLAG_NORM if g is not None else 0
     return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
-                 x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps))
+                 x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps),
+                 **{nm: sub(r, lo, hi - lo) for nm, r in scales.items()})
             for lo, hi in even_tiles(f, tiles)]
 
 
@@ -193,13 +198,15 @@ def _gate_up_ref(p) -> None:
     xs = stage_x(p.x, _norm(p), p.eps)
     gate = p.w_gate.view(p.n, p.k).float() @ xs
     up = p.w_up.view(p.n, p.k).float() @ xs
+    if hasattr(p, "s_gate"):    # gate_up_silu_fp8: per-row scales after the fp32 dots, as the device
+        gate, up = gate * p.s_gate, up * p.s_up
     p.h.copy_((silu(gate) * up).to(torch.bfloat16))
 
 
-def _gate_up_cost(h=None, w_gate=None, w_up=None, x=None, norm_weight=None, **_):
+def _gate_up_cost(h=None, w_gate=None, w_up=None, x=None, norm_weight=None, s_gate=None, s_up=None, **_):
     h, x = ref("cost", h, "h"), ref("cost", x, "x")
     b = nbytes(ref("cost", w_gate, "w_gate")) + nbytes(ref("cost", w_up, "w_up")) + nbytes(x) + nbytes(h) \
-        + nbytes(opt_ref(norm_weight, "norm_weight"))
+        + nbytes(opt_ref(norm_weight, "norm_weight")) + nbytes(opt_ref(s_gate, "s_gate")) + nbytes(opt_ref(s_up, "s_up"))
     return Cost(bytes=b, flops=4 * h.count * x.count)
 
 
@@ -215,41 +222,6 @@ register(TaskType(
         "RMSNorm prologue as gemv_m1. Tiles over F."), builtin=True)
 
 
-# ---- gate_up_silu_fp8 ----------------------------------------------------------------------------
-def _gate_up_fp8_split(nw, tiles=1, h=None, w_gate=None, w_up=None, s_gate=None, s_up=None, x=None,
-                       norm_weight=None, eps=1e-5):
-    task = "gate_up_silu_fp8"
-    h, wg, wu = ref(task, h, "h"), ref(task, w_gate, "w_gate"), ref(task, w_up, "w_up")
-    sg, su = ref(task, s_gate, "s_gate"), ref(task, s_up, "s_up")
-    x, g = _common_x(task, x, norm_weight, 16)
-    f, k = h.count, x.count
-    for r, nm in ((wg, "w_gate"), (wu, "w_up")):
-        require(r.count == f * k, task, f"{nm} has {r.count} elements; h[{f}] needs [{f}, {k}] = {f * k}")
-        aligned(task, r, nm)
-    for r, nm in ((sg, "s_gate"), (su, "s_up")):
-        require(r.count == f, task, f"{nm} has {r.count} elements, h has {f} (one scale per row)")
-    disjoint(task, h, "h", x, "x")
-    flags = FLAG_NORM if g is not None else 0
-    return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
-                 s_gate=sub(sg, lo, hi - lo), s_up=sub(su, lo, hi - lo), x=x, norm_weight=g, n=hi - lo, k=k,
-                 flags=flags, eps=float(eps))
-            for lo, hi in even_tiles(f, tiles)]
-
-
-def _gate_up_fp8_ref(p) -> None:
-    xs = stage_x(p.x, _norm(p), p.eps)
-    gate = (p.w_gate.view(p.n, p.k).float() @ xs) * p.s_gate
-    up = (p.w_up.view(p.n, p.k).float() @ xs) * p.s_up
-    p.h.copy_((silu(gate) * up).to(torch.bfloat16))
-
-
-def _gate_up_fp8_cost(h=None, w_gate=None, w_up=None, s_gate=None, s_up=None, x=None, norm_weight=None, **_):
-    h, x = ref("cost", h, "h"), ref("cost", x, "x")
-    b = sum(nbytes(ref("cost", t, "t")) for t in (w_gate, w_up, s_gate, s_up)) + nbytes(x) + nbytes(h) \
-        + nbytes(opt_ref(norm_weight, "norm_weight"))
-    return Cost(bytes=b, flops=4 * h.count * x.count)
-
-
 register(TaskType(
     name="gate_up_silu_fp8", id=25, hostsim=True, tol=1e-2,
     generated=wrappers("w_gate", "w_up", ring=True),
@@ -257,8 +229,9 @@ register(TaskType(
             ptr("s_gate", "f32", "weight"), ptr("s_up", "f32", "weight"), ptr("x", "bf16", "in"),
             ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
-    source=source("gate_up_silu_fp8"), headers=HEADERS, reference=_gate_up_fp8_ref, split=_gate_up_fp8_split,
-    cost=_gate_up_fp8_cost, prefetch=True, **RING,
+    source=source("gate_up_silu_fp8"), headers=HEADERS, reference=_gate_up_ref,
+    split=lambda nw, tiles=1, **kw: _gate_up_split(nw, tiles, task="gate_up_silu_fp8", **kw), cost=_gate_up_cost,
+    prefetch=True, **RING,
     doc="h[F] = silu(s_gate[F] * (Wg8[F,K] x)) * (s_up[F] * (Wu8[F,K] x)): gate_up_silu with pre-quantised e4m3 "
         "weights and per-row f32 scales (gemv_m1_fp8's format), gate and up kept in fp32. K must be a "
         "multiple of 16. Tiles over F."), builtin=True)

@@ -2,8 +2,7 @@
 // (helpers: tasks/dense_common.cuh; prefetch/prewait/drain: generated from the declaration, dense_common.wrappers)
 template <class P>
 __device__ __forceinline__ auto plan_gemv_m1(const P& p) {
-  using namespace megart::dense;
-  return MatvecPlan<PairRows>{(p.n + 1) >> 1, p.k >> 3, PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}};
+  return megart::dense::pair_plan<false>(p.w, p.n, p.k);
 }
 
 template <class P>

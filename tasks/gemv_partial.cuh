@@ -4,8 +4,7 @@
 // instance's peer signal after the CTA barrier publishes the rows. (tasks/dense_common.cuh)
 template <class P>
 __device__ __forceinline__ auto plan_gemv_partial(const P& p) {
-  using namespace megart::dense;
-  return MatvecPlan<PairRows>{(p.n + 1) >> 1, p.k >> 3, PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}};
+  return megart::dense::pair_plan<false>(p.w, p.n, p.k);
 }
 
 // Not inlined into the dispatch switch: a kernel holding every built-in type (tests/test_compile.py, 512

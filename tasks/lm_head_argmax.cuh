@@ -3,8 +3,7 @@
 // the declaration, dense_common.wrappers)
 template <class P>
 __device__ __forceinline__ auto plan_lm_head_argmax(const P& p) {
-  using namespace megart::dense;
-  return MatvecPlan<PairRows>{(p.n + 1) >> 1, p.k >> 3, PairRows{reinterpret_cast<const char*>(p.w), p.n, 2ll * p.k}};
+  return megart::dense::pair_plan<false>(p.w, p.n, p.k);
 }
 
 template <class P>

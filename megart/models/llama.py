@@ -90,14 +90,14 @@ def _check_input(cfg: LlamaConfig, inp, n=None) -> None:
         raise InputError(f"token id {int(tok)} is outside the vocabulary [0, {cfg.vocab})")
 
 
-STREAM_DEFAULT = "auto"   # the decode step streams its weights (bench/RESULTS.md: 970-978 vs 1,008 us at 1B)
+STREAM_DEFAULT = "auto"   # the decode step streams its weights (bench/RESULTS.md: 966.9 vs 1,010.0 us at 1B)
 
 
-def stream_default(defines: dict | None) -> dict:
-    """The weight stream for the decode step, unless the caller's defines or MEGART_DEFINES choose."""
+def stream_default(defines: dict | None, default=STREAM_DEFAULT) -> dict:
+    """MEGART_STREAM_SLOTS=`default` for a model's kernel, unless the caller's defines or MEGART_DEFINES choose."""
     from ..config import env_defines
     chosen = "MEGART_STREAM_SLOTS" in (defines or {}) or "MEGART_STREAM_SLOTS" in env_defines()
-    return {} if chosen else {"MEGART_STREAM_SLOTS": STREAM_DEFAULT}
+    return {} if chosen else {"MEGART_STREAM_SLOTS": default}
 
 
 def attention_defines(cfg: LlamaConfig) -> dict:
@@ -114,6 +114,8 @@ class LlamaModel:
     builds of the full-size graph on a CPU). On a CPU the kernel still compiles for sm_90a, and step()
     runs the schedule in megart's emulator (each task's CPU reference, a random legal interleaving).
     """
+
+    stream_slots_default = STREAM_DEFAULT   # MEGART_STREAM_SLOTS when the caller leaves it unset
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights | None = None, kv: list | None = None, *,
                  device=None, nw: int | None = None, seed: int = 0, kv_seed: int = 1, init: str = "random",
@@ -134,7 +136,8 @@ class LlamaModel:
         self.kv = kv if kv is not None else make_kv_cache(cfg, kv_seed, self.device, init)
         self.pk = PersistentKernel(nw=nw, device=self.device, profile=profile, profile_steps=profile_steps,
                                    threads=threads, watchdog_s=watchdog_s, sm_count=sm_count,
-                                   defines={**attention_defines(cfg), **stream_default(defines),
+                                   defines={**attention_defines(cfg),
+                                            **stream_default(defines, self.stream_slots_default),
                                             **(defines or {})}, peers=peers)
         self.nw = self.pk.nw
         self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}

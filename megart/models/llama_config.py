@@ -92,7 +92,8 @@ class LlamaConfig:
         else:
             per_layer = (qkv + rest) * 2
         per_layer += 2 * self.d * 2
-        head = 0 if self.block else self.vocab * self.d * (1 + 4 / self.d if self.fp8_head else 2) + self.d * 2
+        head_row = self.d + 4 if self.fp8_head else self.d * 2      # (e4m3 + an f32 scale, or bf16)
+        head = 0 if self.block else self.vocab * head_row + self.d * 2
         return self.layers * per_layer + head
 
     def kv_bytes(self, pos: int | None = None) -> int:
@@ -219,7 +220,8 @@ class LlamaWeights:
     in bf16; fp8: wo, wg, wu, wd in e4m3 with an f32 per-row scale under `s<name>` (e.g. `swo`), and
     wg / wu are the two halves of one [2 ffn, d] matrix `wgu` (scales `swgu`).
     embed / head: bf16 [vocab, d], the same tensor when tied, two when not; with cfg.fp8_head the head is
-    e4m3 with per-row f32 scales `shead` (tied: quantised from the bf16 table, which stays the embedding). qk_norm configs: layers[i] also hold q_norm, k_norm (bf16 [hd])."""
+    e4m3 with per-row f32 scales `shead` (tied: quantised from the bf16 table, which stays the embedding).
+    qk_norm configs: layers[i] also hold q_norm, k_norm (bf16 [hd])."""
     cfg: LlamaConfig
     layers: list = field(default_factory=list)
     embed: torch.Tensor | None = None

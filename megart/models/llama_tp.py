@@ -101,6 +101,10 @@ class LlamaTPRank(LlamaModel):
     this rank's logits slice (vocab rows [rank V/world, (rank+1) V/world)) and the shared token.
     attn_chunks: "match" or "local" (rank_attention_chunks); tiles={"attn_chunks": n} overrides both."""
 
+    # registers unless asked (defines or MEGART_DEFINES): the rank kernels were measured and sanitised
+    # without the weight stream
+    stream_slots_default = 0
+
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, kv: list, *, peers, device=None,
                  nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "local", **kw):
         if kw.get("deps", "explicit") != "explicit" or kw.get("kv_refs", "partition") != "partition":
@@ -113,8 +117,6 @@ class LlamaTPRank(LlamaModel):
         W = weights if weights.cfg == lc else shard_weights(weights, self.rank, self.world)
         shard = kv if kv[0][0].shape[0] == lc.n_kv else shard_kv(kv, cfg, self.rank, self.world)
         kw["deps"] = "explicit"  # (LlamaModel infers by default; a rank graph declares its edges)
-        # registers unless asked: the rank kernels were measured and sanitised without the weight stream
-        kw["defines"] = {"MEGART_STREAM_SLOTS": 0, **(kw.get("defines") or {})}
         super().__init__(lc, W, shard, device=device, nw=nw, tiles=tiles, peers=peers, **kw)
 
     @property
