@@ -1,8 +1,11 @@
 """Llama decode step: megart's one-launch megakernel against torch (eager, CUDA-graphed, torch.compile) and
 the HBM floor, all measured in this one process (the floor and torch.compile run as said below).
 
-    PYTHONPATH=. python bench/llama_decode.py [--configs 1b,1b_128,1b_fp8,1b_fp8_fused,1b_fp8_all,1b_32k,block8b] [--steps 300]
+    PYTHONPATH=. python bench/llama_decode.py [--configs 1b,1b_128,1b_fp8,1b_fp8_all,1b_32k,block8b] [--steps 300]
                                               [--out out/llama_decode] [--compile-modes max-autotune]
+
+fp8: 1b_fp8 is the fused gate/up (the default), 1b_fp8_all adds the fp8 LM head; --configs 1b_fp8_split
+times the older split gate/up (gemv_m1_fp8 + silu_mul) for comparison.
 
 Checkpoint shapes (issue 10): --configs 3b,8b,qwen3_0.6b,qwen3_8b,g7_7b (Llama-3.2-3B: GQA group 3;
 Llama-3.1-8B: untied head; Qwen3-0.6B / 8B: per-head q/k norm; g7_7b: a Qwen2.5-7B-sized Llama, 28/4 heads,
@@ -49,7 +52,7 @@ from megart.models import llama  # noqa: E402
 from megart.models.llama_config import clone_kv  # noqa: E402
 from megart.models.reference import Reference  # noqa: E402
 
-DEFAULT_CONFIGS = "1b,1b_128,1b_fp8,1b_fp8_fused,1b_fp8_all,1b_32k,block8b"
+DEFAULT_CONFIGS = "1b,1b_128,1b_fp8,1b_fp8_all,1b_32k,block8b"
 
 
 def log(*a):

@@ -49,7 +49,7 @@ def _expected(m, task: str, label: str):
     return (c.n_q, c.n_kv, c.hd, m.chunks), c.n_q * m.chunks * (c.hd + 2) * 4 + c.n_q * c.hd * 2
 
 
-@pytest.mark.parametrize("key", ["1b", "1b_fp8", "qwen3_0.6b", "tiny"])
+@pytest.mark.parametrize("key", ["1b", "1b_fp8", "1b_fp8_split", "qwen3_0.6b", "tiny"])
 def test_call_shapes_and_bytes_at_the_model_shapes(key):
     m = _model(key)
     ctx = LlamaContext(f"llama_{key}", key)

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.usefixtures("cpu_settings")
 FEATURES = dict(n_q=6, n_kv=2, hd=128, tied=False, rope_llama3=(8.0, 1.0, 4.0, 32), qk_norm=True, eps=1e-6)
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny_fp8", "tiny_fp8_all", "tiny_block", "tiny_features"])
+@pytest.fixture(scope="module",
+                params=["tiny", "tiny_fp8", "tiny_fp8_split", "tiny_fp8_all", "tiny_block", "tiny_features"])
 def built(request):
     cfg = llama.tiny().with_(name="tiny_features", **FEATURES) if request.param == "tiny_features" \
         else llama.config(request.param)
@@ -124,7 +125,7 @@ def _ancestors(insts) -> list:
     return anc
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_fp8", "tiny_block"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_fp8", "tiny_fp8_split", "tiny_block"])
 def test_explicit_dependencies_cover_inferred(name):
     """Every dependency the graph's byte-range inference finds is implied by the explicit `after=` edges,
     and the two builds compute the same bits."""
@@ -145,7 +146,8 @@ def test_explicit_dependencies_cover_inferred(name):
         assert torch.equal(ex.logits, inf.logits)
 
 
-@pytest.mark.parametrize("name", ["1b", "1b_32k", "1b_fp8", "1b_fp8_all", "block8b", "3b", "qwen3_0.6b"])
+@pytest.mark.parametrize("name", ["1b", "1b_32k", "1b_fp8", "1b_fp8_split", "1b_fp8_all", "block8b", "3b",
+                                  "qwen3_0.6b"])
 def test_full_size_graph_compiles_without_spills(name):
     """The full-size megakernel: ~11k instances over 132 workers, every wait satisfiable (verify), each
     instance waiting on at most 2 events with no join entries, compiled for sm_90a with 0 spill bytes."""
@@ -157,11 +159,21 @@ def test_full_size_graph_compiles_without_spills(name):
     # the weight stream (the models' default, "auto") where it compiles without spills, else registers
     lay = m.pk.stream_layout()
     assert (lay.slots == 0) == (m.pk.stream_declined is not None), (lay, m.pk.stream_declined)
-    if name in ("1b", "1b_fp8", "1b_fp8_all", "block8b"):
+    if name in ("1b", "1b_fp8", "1b_fp8_split", "1b_fp8_all", "block8b"):
         assert lay.slots == 5 and "qkv_rope_append" in lay.types
-    if name == "1b_fp8_all":      # one call fewer per layer (no silu_mul), gate, up and the LM head in fp8
-        assert {"gate_up_silu_fp8", "lm_head_argmax_fp8"} <= set(lay.types)
-        assert "silu_mul" not in {i.type.name for i in s.instances}
+    types = {i.type.name for i in s.instances}
+    if cfg.wdtype == "fp8":       # fused (the default): one call fewer per layer, no silu_mul
+        fused = cfg.fp8_gate_up == "fused"
+        assert fused == (name != "1b_fp8_split")
+        assert ("gate_up_silu_fp8" in types) == fused and ("silu_mul" in types) == (not fused)
+        assert ("gate_up_silu_fp8" in lay.types) == fused
+        assert ("L0.gate_up_gemv" in m.groups) == (not fused)
+        calls = len(llama.LlamaModel(cfg.with_(fp8_gate_up="split" if fused else "fused"), device="cpu",
+                                     init="empty", nw=132, compile=False).groups)
+        assert len(m.groups) == calls + (-cfg.layers if fused else cfg.layers)
+    assert ("lm_head_argmax_fp8" in types) == (name == "1b_fp8_all")
+    if name == "1b_fp8_all":      # gate, up and the LM head in fp8
+        assert "lm_head_argmax_fp8" in lay.types
         assert cfg.weight_bytes() < llama.config("1b_fp8").weight_bytes() - 250e6
     assert max(len(w) for w in s.waits.values()) <= 2
     assert not [i for i in s.instances if i.type.name == "join"]

@@ -122,7 +122,7 @@ class Reference:
         x = (x.float() + o.float()).to(self.dt) if self.residual else o.to(self.dt)
         h = self._norm(x, lw["post_norm"])
         g, u = self._lin(h, lw["wg"]).float(), self._lin(h, lw["wu"]).float()
-        if self.fp8_storage:        # the fp8 graph stores gate|up in bf16 before silu_mul
+        if self.fp8_storage:        # the split fp8 graph stores gate|up in bf16 before silu_mul
             g, u = g.to(torch.bfloat16).float(), u.to(torch.bfloat16).float()
         m = (F.silu(g) * u).to(self.dt)
         dn = self._lin(m, lw["wd"])
