@@ -20,6 +20,8 @@ from megart.models import llama
 from megart.models.llama_config import make_kv_cache, make_weights
 
 VARIANTS = {  # name -> (LlamaModel keyword arguments, exact)
+    "attention merges its own partials (default)": (dict(attn_merge="fused"), True),
+    "attention_merge as its own call": (dict(attn_merge="call"), True),
     "explicit deps (call-level events)": (dict(deps="explicit"), True),
     "inferred deps (subset events)": (dict(deps="infer"), True),
     "inferred deps, 8 KV chunks/head": (dict(deps="infer", tiles=dict(attn_chunks=8)), False),

@@ -239,7 +239,7 @@ class Graph:
         """A "weight" may be read through the non-coherent path, so nothing in the kernel may write it."""
         for params in per_instance:
             for p in ttype.params:
-                if p.kind != "ptr" or params[p.name] is None or not (p.access == "weight" or p.writes):
+                if p.kind != "ptr" or params[p.name] is None or not (p.access == "weight" or p.mutates):
                     continue
                 t = params[p.name].tensor
                 mine, other = ((self._weight_storages, self._written_storages) if p.access == "weight"
@@ -280,6 +280,16 @@ class Graph:
             deps |= bucket.access(lo, hi, inst.uid, p.reads, p.writes)
         deps.discard(inst.uid)
         return deps
+
+    def sync_tensors(self) -> list:
+        """The tensors some instance updates through a "sync" parameter (arrival counters), each once."""
+        seen = {}
+        for inst in self.instances:
+            for p in inst.type.params:
+                ref = inst.params.get(p.name)
+                if p.access == "sync" and ref is not None:
+                    seen.setdefault(ref.tensor.name, ref.tensor)
+        return list(seen.values())
 
     def host_views(self, inst: Instance, host: dict) -> SimpleNamespace:
         """The instance's parameters as CPU torch views into `host` (tensor name -> flat tensor)."""

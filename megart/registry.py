@@ -16,7 +16,11 @@ from .tensors import DTYPES
 SCALAR_KINDS = {"i32": "int", "f32": "float", "i64": "long long"}
 # "weight": read-only for the whole kernel, so the body may use the non-coherent read-only path;
 # "in": read, but possibly written by another task of the same launch, so plain coherent loads.
-ACCESS = ("in", "weight", "out", "inout")
+# "sync": words the instances of one call update with atomics to order themselves (arrival counters: the
+# last arrival does the call's final step). For dependency inference a read (after earlier writers, never
+# ordered among the call's own instances); the pointer is writable, nothing else may treat the words as a
+# weight, and the runtime zeroes them with the event counters after an abort.
+ACCESS = ("in", "weight", "out", "inout", "sync")
 BARRIER_ID = 1          # the runtime's own grid-barrier arrival; has no body
 JOIN_ID = 6             # a wait-only queue entry the scheduler adds when an instance has too many waits
 NO_BODY = (BARRIER_ID, JOIN_ID)
@@ -54,12 +58,17 @@ class Param:
     name: str
     kind: str                 # "ptr" | "i32" | "f32" | "i64"
     dtype: str | None = None  # element dtype of a pointer
-    access: str | None = None  # "in" | "weight" | "out" | "inout" for pointers
+    access: str | None = None  # "in" | "weight" | "out" | "inout" | "sync" for pointers
     optional: bool = False     # a pointer the splitter may leave None: packed as nullptr, no dependency
 
     @property
     def reads(self) -> bool:
-        return self.kind == "ptr" and self.access in ("in", "weight", "inout")
+        return self.kind == "ptr" and self.access in ("in", "weight", "inout", "sync")
+
+    @property
+    def mutates(self) -> bool:
+        """The device changes the bytes: a declared write, or a sync word's atomics."""
+        return self.writes or (self.kind == "ptr" and self.access == "sync")
 
     @property
     def writes(self) -> bool:

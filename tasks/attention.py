@@ -21,6 +21,7 @@ Dependency refs (the byte ranges that order instances):
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 from ..geometry.attention import attention_chunks, auto_tiles, chunk_range
 from ..registry import Cost, TaskType, header_constants, ptr, register, scalar
@@ -233,7 +234,7 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
 
 
 def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, n_kv, hd, max_seq=None, chunk=0,
-                chunks=None, scale=None):
+                chunks=None, scale=None, out=None, arrivals=None):
     T = "attention_decode"
     qr, kr, vr, group, ms = _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq)
     pr, por, pmr = as_ref(pos, "pos"), as_ref(part_o, "part_o"), as_ref(part_ml, "part_ml")
@@ -249,7 +250,8 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
     require(pmr.count == n_kv * nch * group * 2, T,
             f"part_ml has {pmr.count} elements, expected [n_kv, chunks, group, 2] = {n_kv * nch * group * 2}")
     scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
-    out = []
+    fused = _fused_refs(T, out, arrivals, n_q, n_kv, hd, group, nch)
+    res = []
     for h in range(n_kv):
         k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
         v_ref = vr.tensor.ref(vr.offset + h * ms * hd, ms * hd)
@@ -257,11 +259,40 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
             q_ref = qr.tensor.ref(qr.offset + (h * group + g0) * hd, ng * hd)
             for c in range(nch):
                 slot = (h * nch + c) * group + g0        # [n_kv, chunks, group] index of the first q head
-                out.append(dict(q=q_ref, k_cache=k_ref, v_cache=v_ref, pos=pr,
+                res.append(dict(q=q_ref, k_cache=k_ref, v_cache=v_ref, pos=pr,
                                 part_o=por.tensor.ref(por.offset + slot * hd, ng * hd),
                                 part_ml=pmr.tensor.ref(pmr.offset + slot * 2, ng * 2),
-                                group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale))
-    return out
+                                group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale,
+                                **fused(h, c)))
+    return res
+
+
+def out_claim(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Instance i's disjoint piece [lo, hi) of a kv head's n merged outputs (the device finds its head's
+    start as its own pointer minus lo)."""
+    return i * n // parts, (i + 1) * n // parts
+
+
+def _fused_refs(T, out, arrivals, n_q, n_kv, hd, group, nch):
+    """The fused form's per-instance refs, (h, c) -> {out, arrivals}: chunk c of kv head h claims piece c of
+    the head's outputs (a reader of out waits for every chunk; the last to arrive writes all of them) and
+    the head's arrival counter. Without out and arrivals: null pointers (attention_merge merges)."""
+    if out is None and arrivals is None:
+        return lambda h, c: dict(out=None, arrivals=None)
+    require(out is not None and arrivals is not None, T, "out and arrivals come together (the fused merge) or not at all")
+    orf, ar = as_ref(out, "out"), as_ref(arrivals, "arrivals")
+    require(group <= ATTN_SUBGROUP, T, f"the fused merge needs every q head of a kv head in one instance: group "
+                                       f"{group} > {ATTN_SUBGROUP}; merge with attention_merge instead")
+    n = group * hd
+    require(nch <= n, T, f"the fused merge gives each of a kv head's {nch} chunks a piece of its {n} outputs; "
+                         f"use at most {n} chunks or attention_merge")
+    require(orf.count == n_q * hd, T, f"out has {orf.count} elements, expected n_q * hd = {n_q * hd}")
+    require(ar.count == n_kv, T, f"arrivals has {ar.count} elements, expected one i32 counter per kv head ({n_kv})")
+
+    def refs(h, c):
+        lo, hi = out_claim(n, nch, c)
+        return dict(out=orf.tensor.ref(orf.offset + h * n + lo, hi - lo), arrivals=ar.tensor.ref(ar.offset + h, 1))
+    return refs
 
 
 def head_subgroups(group: int) -> list[tuple[int, int]]:
@@ -298,12 +329,33 @@ def _attn_ref(p) -> None:
     ml[:, 1] = e.sum(dim=1)
 
 
-def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, **_):
+def _attn_fused_ref(p) -> None:
+    """The partials, then (the fused form) the arrival: the last chunk of the kv head merges them all."""
+    _attn_ref(p)
+    if p.arrivals is None:
+        return
+    p.arrivals[0] += 1
+    if int(p.arrivals[0]) != p.nchunks:
+        return
+    p.arrivals[0] = 0
+    G, hd, C = p.group, p.hd, p.nchunks
+    back = lambda view, n, total: view.as_strided((total,), (1,), view.storage_offset() - n)  # noqa: E731
+    _merge_ref(SimpleNamespace(out=back(p.out, out_claim(G * hd, C, p.cidx)[0], G * hd),
+                               part_o=back(p.part_o, p.cidx * G * hd, C * G * hd),
+                               part_ml=back(p.part_ml, p.cidx * G * 2, C * G * 2),
+                               nheads=G, group=G, hd=hd, chunks=C, g0=0))
+
+
+def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, out=None, chunks=None, **_):
     pr, kr = as_ref(pos, "pos"), as_ref(k_cache, "k_cache")
     ms = kr.count // (n_kv * hd)
     kv_len = _kv_len(int(pr.tensor.data.reshape(-1)[pr.offset].item()), ms)
     kv_bytes = 2 * n_kv * kv_len * hd * 2
-    return Cost(bytes=kv_bytes + n_q * hd * 2, flops=4 * n_q * kv_len * hd)
+    cost = Cost(bytes=kv_bytes + n_q * hd * 2, flops=4 * n_q * kv_len * hd)
+    if out is None:
+        return cost
+    merge = _merge_cost(n_q=n_q, n_kv=n_kv, hd=hd, chunks=chunks or 1)
+    return Cost(bytes=cost.bytes + merge.bytes, flops=cost.flops + merge.flops)
 
 
 def body_defines(hd: int, group: int) -> dict:
@@ -338,11 +390,14 @@ register(TaskType(
     params=(ptr("q", "bf16", "in"), ptr("k_cache", "bf16", "in"), ptr("v_cache", "bf16", "in"),
             ptr("pos", "i32", "in"), ptr("part_o", "f32", "out"), ptr("part_ml", "f32", "out"),
             scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("max_seq"),
-            scalar("scale", "f32")),
-    source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS, reference=_attn_ref, split=_attn_split, cost=_attn_cost,
-    smem_bytes=SMEM_ATTN, smem_for=_attn_smem, defines_for=_attn_defines,
+            scalar("scale", "f32"), ptr("out", "bf16", "out", optional=True),
+            ptr("arrivals", "i32", "sync", optional=True)),
+    source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS, reference=_attn_fused_ref, split=_attn_split,
+    cost=_attn_cost, smem_bytes=SMEM_ATTN, smem_for=_attn_smem, defines_for=_attn_defines,
     doc="Flash-decoding partials (m, l, unnormalised o) of one query token over one KV chunk of one kv "
-        "head (GQA), kv_len = pos + 1 read on the device."), builtin=True)
+        "head (GQA), kv_len = pos + 1 read on the device; with out and arrivals (one i32 counter per kv head, "
+        "zero at the start) the last chunk of each kv head to finish also merges its partials into out."),
+    builtin=True)
 
 
 # --- attention_merge -------------------------------------------------------------------------------------

@@ -60,4 +60,88 @@ constexpr bool kLowRegs = MEGART_THREADS >= kLowRegThreads;
 #endif
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+// The log-sum-exp merge of one output (q head, dim) over C chunk partials: ml points at the head's
+// (m, l) of chunk 0, po at its o[dim] of chunk 0; chunk c lies G * 2 and G * HD floats further on (the
+// [n_kv, chunks, group, ...] layouts). M = max m_c, w_c = exp(m_c - M); returns sum w_c o_c / sum w_c l_c,
+// 0 when every chunk is empty. attention_merge runs it per output, and so does attention_decode's fused
+// form in the last instance of a kv head to arrive.
+// With kMergeBatch > 0 and up to that many chunks (the default split: nw / n_kv = 16) every load is issued
+// before the first use, so the merge costs one memory round trip instead of two dependent passes; the
+// arithmetic is the same, in the same order. Measured in the Llama-1B step it did not shorten the merge
+// (50 vs 51 us over 16 layers, bench/RESULTS.md). Off where registers are scarce (128-register builds,
+// 128 threads): there the unrolled batch made ptxas spill.
+constexpr int kMergeBatch = (kLowRegs || MEGART_THREADS < 256) ? 0 : 16;
+
+// One (head, dim) output over C <= B chunks, all loads first.
+template <int B>
+__device__ __forceinline__ bool merge_batched(const float* ml, const float* po, int C, int G, int HD, float& L,
+                                              float& O) {
+  if constexpr (B > 0) {
+    if (C > B) return false;
+    float mv[B], lv[B], ov[B];
+#pragma unroll
+    for (int c = 0; c < B; ++c) {
+      if (c < C) {
+        mv[c] = ld_in_f32(ml + (long long)c * G * 2);
+        lv[c] = ld_in_f32(ml + (long long)c * G * 2 + 1);
+        ov[c] = ld_in_f32(po + (long long)c * G * HD);
+      }
+    }
+    float M = neg_inf();
+#pragma unroll
+    for (int c = 0; c < B; ++c)
+      if (c < C) M = fmaxf(M, mv[c]);
+    if (M != neg_inf()) {
+#pragma unroll
+      for (int c = 0; c < B; ++c) {
+        if (c < C) {
+          const float w = exp2f((mv[c] - M) * kLog2e);
+          L = fmaf(w, lv[c], L);
+          O = fmaf(w, ov[c], O);
+        }
+      }
+    }
+    return true;
+  } else {
+    return false;
+  }
+}
+
+__device__ __forceinline__ float merge_point(const float* ml, const float* po, int C, int G, int HD) {
+  float L = 0.f, O = 0.f;
+  if (!merge_batched<kMergeBatch>(ml, po, C, G, HD, L, O)) {
+    float M = neg_inf();
+#pragma unroll 1
+    for (int c = 0; c < C; ++c) M = fmaxf(M, ld_in_f32(ml + (long long)c * G * 2));
+    if (M != neg_inf()) {
+#pragma unroll 1
+      for (int c = 0; c < C; ++c) {
+        const float mc = ld_in_f32(ml + (long long)c * G * 2);
+        const float w = exp2f((mc - M) * kLog2e);
+        L = fmaf(w, ld_in_f32(ml + (long long)c * G * 2 + 1), L);
+        O = fmaf(w, ld_in_f32(po + (long long)c * G * HD), O);
+      }
+    }
+  }
+  return L > 0.f ? O / L : 0.f;
+}
+
+// Arrival of one instance at a counter that `n` instances of a call count up (a "sync" parameter): true for
+// the last of them, which finds every other instance's writes visible and sets the counter back to 0 (the
+// next step's arrivals come in a later launch). Call it from one thread after a CTA barrier.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ bool arrive_last(int* counter, int n) {
+  __threadfence();  // release: the CTA's writes, ordered before this thread by the barrier, come first
+  if (atomicAdd(counter, 1) != n - 1) return false;
+  atomicExch(counter, 0);
+  __threadfence();  // acquire: the other instances' writes are read after their arrivals
+  return true;
+}
+#else
+inline bool arrive_last(int* counter, int n) {  // (host simulation: instances run one at a time)
+  if ((*counter)++ != n - 1) return false;
+  *counter = 0;
+  return true;
+}
+#endif
 }  // namespace megart_attn

@@ -2,7 +2,8 @@
 // (flash-decoding partials). Instance (kv head h, chunk c) covers positions [lo, hi) of kv_len = pos + 1
 // (read from device memory) for the `group` q heads of h, and writes per q head the running max m (natural
 // units of the scaled score), the sum l = sum exp(s - m) and the unnormalised o = sum exp(s - m) v (fp32).
-// An empty chunk writes m = -inf, l = 0, o = 0.
+// An empty chunk writes m = -inf, l = 0, o = 0. With out and arrivals (the fused form), the last instance
+// of a kv head to finish also merges the head's partials into out (merge_if_last), as attention_merge would.
 //
 // chunk > 0: static chunks, [c * chunk, min((c + 1) * chunk, kv_len)).
 // chunk == 0: dynamic chunks of ceil(kv_len / nchunks) positions, so every instance has work at any length.
@@ -162,6 +163,29 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
 #pragma unroll
       for (int e = 0; e < VEC; ++e) o[g][e] = fmaf(pu, vf[e], o[g][e]);
     }
+  }
+}
+
+// The fused form (out and arrivals given; the splitter keeps every q head of a kv head in one instance):
+// the last of the kv head's nchunks instances to arrive merges all their partials into out, with the
+// arithmetic of attention_merge, so o_proj waits on this call alone. The instance's pointers sit at its own
+// chunk: chunk 0's partials lie cidx * G slots back, and its claim on out starts claim_lo elements into the
+// head's G * HD outputs (each instance claims a disjoint piece, so a reader of out waits for all of them).
+// One copy for every head size and width, run after the body (a copy inside each instantiation spilled the
+// kernel that holds every built-in type; a called function did too).
+__device__ __forceinline__ void merge_if_last(const megart_params_attention_decode& p, char* smem) {
+  int* s_last = reinterpret_cast<int*>(smem);  // (the partials' staging rounds are over)
+  __syncthreads();                             // every thread's partial stores are issued
+  if (threadIdx.x == 0) *s_last = arrive_last(p.arrivals, p.nchunks);
+  __syncthreads();
+  if (!*s_last) return;
+  const int G = p.group, HD = p.hd, C = p.nchunks, n = G * HD;  // (32-bit offsets: n * C < 2^31)
+  const float* ml = p.part_ml - p.cidx * G * 2;
+  const float* po = p.part_o - p.cidx * n;
+  __nv_bfloat16* out = p.out - p.cidx * n / C;
+  for (int t = threadIdx.x; t < n; t += MEGART_THREADS) {
+    const int g = t / HD;
+    out[t] = __float2bfloat16_rn(merge_point(ml + g * 2, po + t, C, G, HD));
   }
 }
 
@@ -402,4 +426,5 @@ __device__ __forceinline__ void megart_task_attention_decode(const megart_params
   } else if (p.hd == 128) {
     megart_attn::attention_decode_group<128>(p, smem, lo, hi);
   }  // the splitter refuses other head sizes
+  if (p.arrivals != nullptr) megart_attn::merge_if_last(p, smem);
 }

@@ -42,11 +42,13 @@ def _expected(m, task: str, label: str):
         head_norms = 2 * c.hd * 2 if c.qk_norm else 0
         return ((c.d, c.n_q, c.n_kv, c.hd, c.prefill),
                 rows * c.d * 2 + 2 * c.d * 2 + head_norms + c.n_q * c.hd * 2 + 2 * c.n_kv * c.hd * 2)
+    merge = c.n_q * m.chunks * (c.hd + 2) * 4 + c.n_q * c.hd * 2     # the partials in, the merged outputs out
     if task == "attention_decode":
         L = c.prefill + 1
-        return (c.n_q, c.n_kv, c.hd, L), 2 * c.n_kv * L * c.hd * 2 + c.n_q * c.hd * 2
+        fused = merge if m.merge_fused else 0                            # the call merges its own partials
+        return (c.n_q, c.n_kv, c.hd, L), 2 * c.n_kv * L * c.hd * 2 + c.n_q * c.hd * 2 + fused
     assert task == "attention_merge"
-    return (c.n_q, c.n_kv, c.hd, m.chunks), c.n_q * m.chunks * (c.hd + 2) * 4 + c.n_q * c.hd * 2
+    return (c.n_q, c.n_kv, c.hd, m.chunks), merge
 
 
 @pytest.mark.parametrize("key", ["1b", "1b_fp8", "1b_fp8_split", "qwen3_0.6b", "tiny"])
@@ -66,7 +68,8 @@ def test_call_shapes_and_bytes_at_the_model_shapes(key):
             assert ctx.call_bytes(p, m, groups, m.cfg.prefill) == want_bytes, (task, shape)
             seen.add(task)
     fp8 = m.cfg.wdtype == "fp8"
-    assert seen == set(GATED) - ({"gemv_m1", "gate_up_silu"} if fp8 else {"gemv_m1_fp8"})
+    absent = ({"gemv_m1", "gate_up_silu"} if fp8 else {"gemv_m1_fp8"}) | ({"attention_merge"} if m.merge_fused else set())
+    assert seen == set(GATED) - absent
 
 
 def test_call_bytes_refuse_a_device_pos_other_than_the_timed_one():

@@ -83,16 +83,23 @@ def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=N
     return t, dict(k0=k, v0=v, ref=ref, w=w, x=x, nw=nwt if norm else None, cos=cs, sin=sn)
 
 
-def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu"):
+def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu", merge="call"):
+    """attention_decode then its merge: attention_merge (merge="call") or the fused form (merge="fused":
+    out and arrivals given to attention_decode, the last chunk of each kv head merges)."""
     n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
     C = attention_chunks(n_kv, max_seq, pk.nw, chunk=chunk, tiles=tiles)
     po, pm = attention_scratch(n_q, n_kv, hd, C, device=dev)
     t["po"], t["pm"] = pk.tensor(po, "part_o"), pk.tensor(pm, "part_ml")
     t["out"] = pk.tensor(torch.zeros(n_q * hd, dtype=torch.bfloat16, device=dev), "out")
+    fused = {}
+    if merge == "fused":
+        t["arrivals"] = pk.tensor(torch.zeros(n_kv, dtype=torch.int32, device=dev), "arrivals")
+        fused = dict(out=t["out"], arrivals=t["arrivals"])
     pk.task("attention_decode", q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], part_o=t["po"],
-            part_ml=t["pm"], n_q=n_q, n_kv=n_kv, hd=hd, chunk=chunk, tiles=tiles)
-    pk.task("attention_merge", out=t["out"], part_o=t["po"], part_ml=t["pm"], n_q=n_q, n_kv=n_kv, hd=hd,
-            chunks=C, tiles=n_q)
+            part_ml=t["pm"], n_q=n_q, n_kv=n_kv, hd=hd, chunk=chunk, tiles=tiles, **fused)
+    if merge == "call":
+        pk.task("attention_merge", out=t["out"], part_o=t["po"], part_ml=t["pm"], n_q=n_q, n_kv=n_kv, hd=hd,
+                chunks=C, tiles=n_q)
     return C
 
 
@@ -341,11 +348,11 @@ def test_decode_chain(hd, pos):
 
 # --- the CUDA bodies themselves, on the host (megart.emulate.hostsim: TaskType.hostsim) ---------------------
 
-def _chain_on_the_host(hd, pos, overrides=None, **pk_kw):
+def _chain_on_the_host(hd, pos, overrides=None, merge="call", **pk_kw):
     sh, ms = SHAPES[hd], 2048
     pk = megart.PersistentKernel(nw=NW, device="cpu", source_overrides=overrides or {}, **pk_kw)
     t, r = build_qkv(pk, sh, ms, pos, seed=pos)
-    build_attention(pk, t, sh, ms)
+    build_attention(pk, t, sh, ms, merge=merge)
     compiled(pk)
     emu = {k: v.clone() for k, v in pk.emulate().items()}
     q_ref, k_ref, v_ref = r["ref"]
@@ -367,6 +374,67 @@ def test_attention_bodies_run_on_the_host(hd, pos, defines):
     check(dev["q"], q_ref, TOL_QKV, "q (host-run body)")
     check(dev["out"], out_ref, TOL_ATTN, "attention out (host-run bodies)")
     assert rel(dev["out"], emu["out"]) <= TOL_ATTN / 2 and rel(dev["part_o"], emu["part_o"]) <= TOL_ATTN / 2
+
+
+@pytest.mark.parametrize("hd,pos,defines", [(64, 2046, {}), (128, 1234, {"MEGART_ATTN_RING_BYTES": 0})],
+                         ids=["hd64-ring", "hd128-registers"])
+def test_fused_merge_gives_the_merge_calls_bits(hd, pos, defines):
+    """attention_decode with out and arrivals (the last chunk of each kv head to arrive merges) writes the same
+    bits as attention_decode + attention_merge, in the host-run CUDA bodies and in the emulator, and leaves
+    every arrival counter at 0 for the next step."""
+    from megart.emulate import hostsim
+    runs = {}
+    for merge in ("call", "fused"):
+        pk, emu, q_ref, out_ref = _chain_on_the_host(hd, pos, merge=merge, defines=defines)
+        runs[merge] = hostsim.run(pk, seed=3), emu
+        check(runs[merge][0]["out"], out_ref, TOL_ATTN, f"{merge}: attention out (host-run bodies)")
+        check(emu["out"], out_ref, TOL_ATTN, f"{merge}: attention out (emulator)")
+    (dev_call, _), (dev_fused, emu_fused) = runs["call"], runs["fused"]
+    assert torch.equal(dev_fused["out"], dev_call["out"]) and torch.equal(dev_fused["part_o"], dev_call["part_o"])
+    assert not dev_fused["arrivals"].any() and not emu_fused["arrivals"].any()
+    assert len({g.label for g in pk.graph.groups}) == 2      # qkv and attention: no merge call
+
+
+def test_fused_merge_orders_readers_after_every_chunk():
+    """The chunks of one kv head claim disjoint pieces of its outputs and share its arrival counter, which is
+    no dependency: they run unordered among themselves, and a reader of the head's outputs waits for all of
+    them (whichever arrives last writes every output)."""
+    sh, ms = SHAPES[64], 2048
+    pk, t, _, C = attention_only(sh, ms, 1000, nw=NW)
+    pk2 = megart.PersistentKernel(nw=NW, device="cpu")
+    T = lambda name: pk2.tensor(t[name].data.clone(), name)
+    t2 = {k: T(k) for k in ("q", "k", "v", "pos")}
+    build_attention(pk2, t2, sh, ms, merge="fused")
+    n = sh["n_q"] // sh["n_kv"] * sh["hd"]
+    head0 = t2["out"].ref(0, n)                           # kv head 0's outputs, read by one instance
+    pk2.task("silu_mul", h=pk2.tensor(torch.zeros(n, dtype=torch.bfloat16), "y"), g=head0, u=head0, tiles=1)
+    att = [i for i in pk2.graph.instances if i.type.name == "attention_decode"]
+    assert len(att) == sh["n_kv"] * C and not any(i.deps & {a.uid for a in att} for i in att)
+    reader = next(i for i in pk2.graph.instances if i.type.name == "silu_mul")
+    assert reader.deps == {a.uid for a in att if a.params["arrivals"].offset == 0}
+    assert pk2.graph.sync_tensors() == [t2["arrivals"]]
+
+
+def test_fused_merge_refusals():
+    sh, ms = SHAPES[64], 2048
+    pk, t, _, C = attention_only(sh, ms, 100, nw=NW)
+    n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
+    out = pk.tensor(torch.zeros(n_q * hd, dtype=torch.bfloat16), "out2")
+    arr = pk.tensor(torch.zeros(n_kv, dtype=torch.int32), "arr")
+    base = dict(q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], part_o=t["po"], part_ml=t["pm"],
+                n_q=n_q, n_kv=n_kv, hd=hd)
+    _raises(lambda: pk.task("attention_decode", **base, out=out), "out and arrivals come together")
+    _raises(lambda: pk.task("attention_decode", **base, out=out, arrivals=arr.ref(0, n_kv - 1)),
+            "one i32 counter per kv head")
+    _raises(lambda: pk.task("attention_decode", **base, out=out.ref(0, hd), arrivals=arr), "expected n_q")
+    few = megart.PersistentKernel(nw=8, device="cpu")
+    T = lambda a, name: few.tensor(a, name)
+    big = dict(q=T(torch.zeros(16 * 64, dtype=torch.bfloat16), "q"), k_cache=T(torch.zeros(1, 64, 64, dtype=torch.bfloat16), "k"),
+               v_cache=T(torch.zeros(1, 64, 64, dtype=torch.bfloat16), "v"), pos=T(torch.zeros(1, dtype=torch.int32), "p"),
+               part_o=T(torch.zeros(16 * 64, dtype=torch.float32), "po"), part_ml=T(torch.zeros(32, dtype=torch.float32), "pm"),
+               n_q=16, n_kv=1, hd=64, chunks=1, out=T(torch.zeros(16 * 64, dtype=torch.bfloat16), "o"),
+               arrivals=T(torch.zeros(1, dtype=torch.int32), "a"))
+    _raises(lambda: few.task("attention_decode", **big), "group 16 > 8")
 
 
 def test_hostsim_catches_a_missing_barrier_in_attention(tmp_path):

@@ -11,8 +11,9 @@ Graph, per step (every call spread over ~nw workers; all dependencies are events
     embedding                             x[0] = table[token]                    (LM only)
     per layer l:
       qkv_rope_append  (fused in-norm)    q_l, K/V row pos of layer l's caches
-      attention_decode                    per (kv head, chunk) partials, ~nw instances
-      attention_merge                     a_l
+      attention_decode                    per (kv head, chunk) partials, ~nw instances; the last chunk
+                                          of each kv head to finish merges them: a_l (attn_merge="fused")
+      [attention_merge                    a_l, as its own call (attn_merge="call")]
       gemv_m1 o_proj   (fused residual)   xm_l = x_l + Wo a_l
       gate_up_silu     (fused post-norm)  h_l = silu(Wg n(xm_l)) * Wu n(xm_l)
       gemv_m1 down     (fused residual)   x_{l+1} = xm_l + Wd h_l
@@ -26,7 +27,7 @@ step-end write that would have to wait for all of them.
 
 Dependencies are inferred from the byte ranges each call reads and writes (deps="infer", the default,
 about a second for the 1B graph): its subset events let attention for a kv head start once that head's
-QKV instances land, and a merge once its kv head's chunks do. deps="explicit" declares them instead
+QKV instances land, and o_proj once every chunk has arrived. deps="explicit" declares them instead
 (`after=`, the transitive reduction of the data flow: call-level events). tests/test_llama.py checks on
 the reduced model that every inferred dependency is implied by the explicit ones and that both produce
 the same bits; on the H200 the inferred graph measured 1.2-1.6% faster per step (bench/RESULTS.md).
@@ -100,6 +101,20 @@ def stream_default(defines: dict | None, default=STREAM_DEFAULT) -> dict:
     return {} if chosen else {"MEGART_STREAM_SLOTS": default}
 
 
+ATTN_MERGE = ("auto", "fused", "call")
+
+
+def merge_fused(how: str, cfg: LlamaConfig, chunks: int) -> bool:
+    """Whether the attention call merges its own partials (the last chunk of a kv head to finish does):
+    "fused", "call" (attention_merge, one call more per layer) or "auto" (fused where the attention
+    splitter allows it: a whole GQA group per instance and no more chunks than a kv head has outputs).
+    Fused measured faster on the H200 (bench/RESULTS.md)."""
+    from ..tasks.attention import ATTN_SUBGROUP
+    if how != "auto":
+        return how == "fused"
+    return cfg.group <= ATTN_SUBGROUP and chunks <= cfg.group * cfg.hd
+
+
 def attention_defines(cfg: LlamaConfig) -> dict:
     """Compile only the attention_decode bodies this shape runs (its head size, its instance widths)."""
     from ..tasks.attention import body_defines
@@ -122,9 +137,11 @@ class LlamaModel:
                  tiles: dict | None = None, deps: str = "infer", kv_refs: str = "partition",
                  logits: bool = True, profile: bool = False, profile_steps: int = 16, threads: int = 256,
                  watchdog_s: float | None = None, compile: bool = True, sm_count: int | None = None,
-                 defines: dict | None = None, peers=None):
+                 defines: dict | None = None, peers=None, attn_merge: str = "auto"):
         if deps not in ("explicit", "infer"):
             raise ValueError(f"deps must be 'explicit' or 'infer', got {deps!r}")
+        if attn_merge not in ATTN_MERGE:
+            raise ValueError(f"attn_merge must be one of {ATTN_MERGE}, got {attn_merge!r}")
         if device is None:
             device = weights.layers[0]["wqkv"].device if weights is not None else (
                 "cuda" if torch.cuda.is_available() else "cpu")
@@ -143,6 +160,7 @@ class LlamaModel:
         self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
         self.deps = deps
         self.kv_refs = kv_refs
+        self.attn_merge = attn_merge
         self.with_logits = logits and not cfg.block
         self.groups: dict = {}
         self._alloc()
@@ -170,6 +188,8 @@ class LlamaModel:
         self.h = [z(c.ffn) for _ in range(c.layers)]
         self.part_o = [z(c.n_kv, self.chunks, c.group, c.hd, dtype=f32) for _ in range(c.layers)]
         self.part_ml = [z(c.n_kv, self.chunks, c.group, 2, dtype=f32) for _ in range(c.layers)]
+        self.merge_fused = merge_fused(self.attn_merge, c, self.chunks)
+        self.arrivals = [z(c.n_kv, dtype=i32) for _ in range(c.layers)] if self.merge_fused else None
         if c.block:
             self.x_in = self.xs[0]
             self.x_out = self.xs[-1]
@@ -211,7 +231,7 @@ class LlamaModel:
             p = f"L{l}."
             a, g_mrg = self._attention(l, g_prev, g_pos, xs[l], pos, cos, sin)
             xm = T(self.xm[l], p + "xm")
-            # o_proj: xm = x + Wo a. The residual x was produced before qkv, so merge implies it.
+            # o_proj: xm = x + Wo a. The residual x was produced before qkv, so attention implies it.
             g_o = self._gemv(p + "o", L, "wo", y=xm, x=a, residual=xs[l], after=[g_mrg], tiles=tl["o"], fp8=fp8)
             h = T(self.h[l], p + "h")
             if fp8:
@@ -238,7 +258,8 @@ class LlamaModel:
 
     def _attention(self, l, g_prev, g_pos, x, pos, cos, sin):
         """Layer l's attention half up to its merged output: qkv (fused norm, RoPE, KV append) after g_prev
-        and g_pos, attention chunks, merge. Returns (the merged output, the merge call)."""
+        and g_pos, attention chunks, their merge (in the attention call when fused, else a call of its own).
+        Returns (the merged output, the call that writes it)."""
         c, L, T, tl, p = self.cfg, self.weights.layers[l], self.pk.tensor, self.tiles, f"L{l}."
         kc, vc = self.kv[l]
         q = T(self.q[l], p + "q")
@@ -249,11 +270,14 @@ class LlamaModel:
                            norm_weight=T(L["in_norm"], p + "in_norm"), eps=c.eps, cos=cos, sin=sin, pos=pos,
                            n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, kv_refs=self.kv_refs, tiles=tl["qkv"], **qk_norm)
         po, pm = T(self.part_o[l], p + "part_o"), T(self.part_ml[l], p + "part_ml")
+        a = T(self.attn[l], p + "attn")
+        fused = dict(out=a, arrivals=T(self.arrivals[l], p + "arrivals")) if self.merge_fused else {}
         g_att = self._task(p + "attn", "attention_decode", [g_qkv],
                            q=q, k_cache=kct, v_cache=vct, pos=pos, part_o=po, part_ml=pm, n_q=c.n_q,
                            n_kv=c.n_kv, hd=c.hd, max_seq=c.max_seq, chunks=self.chunks,
-                           tiles=self.chunks * c.n_kv)
-        a = T(self.attn[l], p + "attn")
+                           tiles=self.chunks * c.n_kv, **fused)
+        if self.merge_fused:
+            return a, g_att
         g_mrg = self._task(p + "merge", "attention_merge", [g_att], out=a, part_o=po, part_ml=pm,
                            n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, chunks=self.chunks, tiles=tl["merge"])
         return a, g_mrg

@@ -1,0 +1,57 @@
+"""The Llama step's attention merge (megart.models.llama, attn_merge=): by default the attention call merges
+its own partials (the last chunk of each kv head to finish does), one call fewer per layer than
+attention_decode + attention_merge; both forms give the same bits, and "auto" keeps the merge call where the
+fused form cannot run."""
+import pytest
+import torch
+
+from megart.emulate import hostsim
+from megart.models import llama
+from megart.models.llama_config import clone_kv
+
+pytestmark = pytest.mark.usefixtures("cpu_settings")
+
+
+def _model(cfg, prefix, **kw):
+    return llama.LlamaModel(cfg, device="cpu", nw=8, kv=clone_kv(prefix), **kw)
+
+
+def test_the_fused_merge_is_the_default_and_drops_a_call_per_layer():
+    cfg = llama.tiny()
+    prefix = llama.make_kv_cache(cfg, 1)
+    fused, call = _model(cfg, prefix), _model(cfg, prefix, attn_merge="call")
+    assert fused.merge_fused and not call.merge_fused
+    kinds = lambda m: {k.split(".", 1)[-1] for k in m.groups}  # noqa: E731
+    assert "merge" not in kinds(fused) and "merge" in kinds(call)
+    assert len(call.groups) - len(fused.groups) == cfg.layers
+
+
+def test_both_forms_write_the_same_bits_in_the_host_run_bodies():
+    """One whole tiny decode step with the CUDA bodies run on the host: every tensor both kernels hold is
+    bit-identical (the fused merge runs attention_merge's arithmetic), and every arrival counter is back to 0."""
+    cfg = llama.tiny()
+    prefix = llama.make_kv_cache(cfg, 1)
+    outs = {}
+    for how in ("fused", "call"):
+        m = _model(cfg, prefix, attn_merge=how, defines={"MEGART_STREAM_SLOTS": 0})
+        torch.manual_seed(0)
+        outs[how] = {k: v.clone() for k, v in hostsim.run(m.pk, steps=1).items()}
+    shared = outs["fused"].keys() & outs["call"].keys()
+    assert {k for k in shared if k.endswith("attn")}, "the merged outputs were not compared"
+    for k in shared:
+        assert torch.equal(outs["fused"][k], outs["call"][k]), k
+    arrivals = [k for k in outs["fused"] if k.endswith("arrivals")]
+    assert len(arrivals) == cfg.layers and not any(outs["fused"][k].any() for k in arrivals)
+
+
+def test_auto_keeps_the_merge_call_where_the_fused_form_cannot_run():
+    """A kv head's q heads must fit one attention instance (group <= 8), and each chunk needs a piece of the
+    head's outputs; "fused" asked for outside that is refused by the attention splitter, by name."""
+    from megart.errors import GraphError
+    wide = llama.tiny().with_(name="tiny_g16", n_q=16, n_kv=1, hd=64)
+    assert not llama.merge_fused("auto", wide, chunks=4) and llama.merge_fused("fused", wide, chunks=4)
+    assert llama.merge_fused("auto", llama.tiny(), chunks=4) and not llama.merge_fused("call", llama.tiny(), 4)
+    with pytest.raises(GraphError, match="group 16 > 8"):
+        llama.LlamaModel(wide, device="cpu", nw=8, init="empty", attn_merge="fused", compile=False)
+    with pytest.raises(ValueError, match="attn_merge must be one of"):
+        llama.LlamaModel(llama.tiny(), device="cpu", nw=8, attn_merge="merged", compile=False)
