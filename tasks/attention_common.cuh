@@ -107,14 +107,19 @@ __device__ __forceinline__ bool merge_batched(const float* ml, const float* po, 
   }
 }
 
+// More chunks than kMergeBatch: two passes (the max, then the sums), unrolled by kMergeUnroll so that many
+// chunks' loads are in flight together; 128-register builds take one chunk at a time (wider unrolling
+// spilled the kernel that holds every built-in type once the fused merge joined it).
+constexpr int kMergeUnroll = kLowRegs ? 1 : 4;
+
 __device__ __forceinline__ float merge_point(const float* ml, const float* po, int C, int G, int HD) {
   float L = 0.f, O = 0.f;
   if (!merge_batched<kMergeBatch>(ml, po, C, G, HD, L, O)) {
     float M = neg_inf();
-#pragma unroll 1
+#pragma unroll(kMergeUnroll)
     for (int c = 0; c < C; ++c) M = fmaxf(M, ld_in_f32(ml + (long long)c * G * 2));
     if (M != neg_inf()) {
-#pragma unroll 1
+#pragma unroll(kMergeUnroll)
       for (int c = 0; c < C; ++c) {
         const float mc = ld_in_f32(ml + (long long)c * G * 2);
         const float w = exp2f((mc - M) * kLog2e);
