@@ -389,7 +389,7 @@ def main(argv=None):
     ap.add_argument("--greedy", type=int, default=100, help="steps of the relerr run")
     ap.add_argument("--rounds", type=int, default=64, help="all-reduces per timed chain")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--attn-chunks", default="local", choices=ATTN_CHUNKS,
+    ap.add_argument("--attn-chunks", default="match", choices=ATTN_CHUNKS,
                     help="a rank's KV chunks per kv head: match TP=1's (default) or nw // its kv heads (the old split)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed figures: profiled TP and TP=1 builds, per call kind (JSON 'profile')")

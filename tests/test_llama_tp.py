@@ -78,7 +78,8 @@ def test_llama8b_rank_compiles_clean():
     spills = [ln for ln in m.pk.compiled.log.splitlines() if "spill" in ln]   # the kernel and gemv_partial
     assert len(spills) >= 2 and all("0 bytes spill stores, 0 bytes spill loads" in ln for ln in spills), spills
     assert m.pk.occupancy.per_sm >= 1
-    assert m.chunks == 33                                                     # 132 // the rank's 4 kv heads
+    assert m.chunks == 16                                    # "match": TP=1's 132 // 8 kv heads
+    assert m.merge_fused and m.pk.stream_layout().slots > 0  # the fused merge and the weight stream, as at TP=1
     peers_events = [e for e in m.pk.schedule.events if e.peer]
     assert len(peers_events) == 2 * cfg.layers + 1
     assert m.bytes_per_step() < cfg.bytes_per_step() * 0.55

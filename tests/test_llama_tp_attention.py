@@ -29,8 +29,8 @@ def test_rank_chunks_are_the_single_gpu_models():
     cfg = llama.config("8b")
     one = llama.default_tiles(cfg, NW)["attn_chunks"]
     assert one == 16
-    assert rank_attention_chunks(cfg, 2, NW, "match") == one
-    assert rank_attention_chunks(cfg, 2, NW) == 33                   # "local", the default: 132 // 4
+    assert rank_attention_chunks(cfg, 2, NW) == one                  # "match", the default
+    assert rank_attention_chunks(cfg, 2, NW, "local") == 33          # 132 // the rank's 4 kv heads
     with pytest.raises(GraphError, match="attn_chunks"):
         rank_attention_chunks(cfg, 2, NW, "halves")
 
@@ -67,7 +67,7 @@ def _merged_f32(po, pm):
 @pytest.mark.parametrize("host", [True, False], ids=["cuda-bodies", "references"])
 def test_rank_attention_has_the_single_gpu_bits_at_8b(host):
     """Each TP=2 rank's heads, from TP=1's q and cache slices: the same partials and output bits with the
-    "match" chunking. The default ("local") chunking's partials are other numbers (its f32 merge differs from TP=1's in
+    "match" chunking (the default). The "local" chunking's partials are other numbers (its f32 merge differs from TP=1's in
     most values, by ~2e-7 relative); after the bf16 rounding of the output that shows in 0-2 of 2,048
     values (measured over four seeds and lengths), so bf16 equality alone could not tell them apart."""
     cfg, world, kv_len = llama.config("8b"), 2, 1531
@@ -97,8 +97,8 @@ def test_emulated_tp2_attention_equals_single_gpu_per_layer():
     nw, world = 16, 2
     W, kv = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
     one = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=nw)
-    group = LlamaTPGroup(cfg, world, W, clone_kv(kv), nw=nw, attn_chunks="match")
-    old = LlamaTPGroup(cfg, world, W, clone_kv(kv), nw=nw)                      # "local", the default
+    group = LlamaTPGroup(cfg, world, W, clone_kv(kv), nw=nw)                    # "match", the default
+    old = LlamaTPGroup(cfg, world, W, clone_kv(kv), nw=nw, attn_chunks="local")
     assert [m.chunks for m in group.ranks] == [one.chunks] * world == [4] * world
     assert [m.chunks for m in old.ranks] == [8] * world
     lq, lk = cfg.n_q // world * cfg.hd, cfg.n_kv // world

@@ -79,12 +79,12 @@ def empty_shard(cfg: LlamaConfig, world: int, device="cpu") -> tuple:
 ATTN_CHUNKS = ("local", "match")
 
 
-def rank_attention_chunks(cfg: LlamaConfig, world: int, nw: int, how: str = "local") -> int:
-    """KV chunks per kv head of a rank's attention. "local" (the default, the split the GPU figures were
-    measured with): nw // the rank's kv heads, every worker busy in attention. "match": as many as the
-    single-GPU model of the full shape uses on nw workers (nw // n_kv), so each kv head's chunks cover the
-    same positions and merge in the same f32 order as at TP=1 (the same bits from the same q and cache;
-    half as many attention instances at TP=2, not yet timed on GPUs)."""
+def rank_attention_chunks(cfg: LlamaConfig, world: int, nw: int, how: str = "match") -> int:
+    """KV chunks per kv head of a rank's attention. "match" (the default): as many as the single-GPU model
+    of the full shape uses on nw workers (nw // n_kv), so each kv head's chunks cover the same positions and
+    merge in the same f32 order as at TP=1 (the same bits from the same q and cache). "local": nw // the
+    rank's kv heads, every worker busy in attention, but twice the chunks to merge. On 2 H200s (8B shape)
+    "match" measured 3,118.5 us per TP=2 step against "local"'s 3,283.1 (bench/RESULTS.md)."""
     if how not in ATTN_CHUNKS:
         raise GraphError(f"attn_chunks must be one of {ATTN_CHUNKS}, got {how!r}")
     return default_tiles(cfg if how == "match" else shard_config(cfg, world), nw)["attn_chunks"]
@@ -101,12 +101,12 @@ class LlamaTPRank(LlamaModel):
     this rank's logits slice (vocab rows [rank V/world, (rank+1) V/world)) and the shared token.
     attn_chunks: "match" or "local" (rank_attention_chunks); tiles={"attn_chunks": n} overrides both."""
 
-    # registers unless asked (defines or MEGART_DEFINES): the rank kernels were measured and sanitised
-    # without the weight stream
-    stream_slots_default = 0
+    # the weight stream, as for the single-GPU model ("auto"): on 2 H200s (8B shape, "match" chunks) a TP=2
+    # step measured 2,960.0 us with it against 3,118.5 with registers (bench/RESULTS.md)
+    stream_slots_default = LlamaModel.stream_slots_default
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, kv: list, *, peers, device=None,
-                 nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "local", **kw):
+                 nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "match", **kw):
         if kw.get("deps", "explicit") != "explicit" or kw.get("kv_refs", "partition") != "partition":
             raise GraphError("LlamaTPRank builds explicit dependencies only (deps='explicit')")
         self.full_cfg, self.rank, self.world, self.peers = cfg, peers.rank, peers.world, peers
