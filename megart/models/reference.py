@@ -3,11 +3,14 @@
 Three numerics, one model:
 
 * precision="bf16" (default: the reference the megakernel is gated against): bf16 weights (fp8: the same
-  e4m3 bytes x per-channel scales, dequantised exactly in fp32), every GEMV accumulated in fp32 with an
-  fp32 result, RMSNorm / RoPE / softmax in fp32, and bf16 rounding exactly where a value is stored in
-  bf16: the normalised x, q/k/v after RoPE (the cache), the attention output, silu(g) * u, and the
-  residual stream after each add. Logits stay f32. This is "bf16 weights, fp32 accumulation, bf16
-  residual stream" with the rounding points of a fused implementation.
+  e4m3 bytes and per-row f32 scales, the scale applied to the fp32 dot as every fp8 task does, never
+  folded into the weights first: e4m3 x scale is not exact in fp32, so the two orders differ by ulps that
+  can flip a bf16 rounding), every GEMV accumulated in fp32 with an fp32 result, RMSNorm / RoPE / softmax
+  in fp32, and bf16 rounding exactly where a value is stored in bf16: the normalised x, q/k/v after RoPE
+  (the cache), the attention output, silu(g) * u, and the residual stream after each add (fp8
+  "split" also rounds gate|up, which that graph stores; "fused" keeps them in fp32). Logits stay f32.
+  This is "bf16 weights, fp32 accumulation, bf16 residual stream" with the rounding points of a fused
+  implementation.
 * precision="torch": the straightforward bf16 torch model (every `F.linear` in bf16 with a bf16 result,
   fp8 weights dequantised to bf16 once): what the torch baselines run (eager, CUDA-graphed, compiled),
   and an independent correct implementation for E.
@@ -45,10 +48,11 @@ class Reference:
         self.dt = torch.float32 if precision == "fp32" else torch.bfloat16
         dev = weights.layers[0]["wqkv"].device
         self.device = dev
-        # the "split" fp8 graph stores gate|up in bf16 before silu_mul
+        # the "split" fp8 graph stores gate|up in bf16 before silu_mul ("fused", gate_up_silu_fp8, keeps them
+        # in fp32 registers: _lin's fp32 s * (W8 h), never rounded)
         self.fp8_storage = precision == "bf16" and cfg.wdtype == "fp8" and cfg.fp8_gate_up == "split"
         # the matrices as this precision multiplies them (bf16 tensors are shared, never copied, in
-        # "bf16"/"torch"; "bf16" keeps fp8 as (bytes, scales) and dequantises exactly per call)
+        # "bf16"/"torch"; "bf16" keeps fp8 as (bytes, scales) and scales each call's fp32 dots)
         self.layers = []
         for i, L in enumerate(weights.layers):
             lw = {n: self._weight(weights, i, n) for n in ("wqkv", "wo", "wg", "wu", "wd")}
@@ -80,12 +84,13 @@ class Reference:
         return (w, s)
 
     def _lin(self, x: torch.Tensor, w) -> torch.Tensor:
-        """y = W x. "bf16": fp32 products of the exact bf16 (or e4m3 x scale) weights, fp32 result."""
+        """y = W x. "bf16": fp32 dots of the exact bf16 (or e4m3) weights, fp32 result; fp8: y = s * (W8 x), the
+        per-row scale after the dot, as gemv_m1_fp8 / gate_up_silu_fp8 / lm_head_argmax_fp8 apply it."""
         if self.precision != "bf16":
             return F.linear(x, w)
         w, s = w
-        wf = w.float() if s is None else w.float() * s[:, None]
-        return F.linear(x.float(), wf)
+        y = F.linear(x.float(), w.float())
+        return y if s is None else y * s
 
     # --- pieces -------------------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
