@@ -24,8 +24,9 @@ namespace megart {
 // ---- mbarrier and bulk-copy primitives (the host simulation copies at once and never waits) ----------
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+template <unsigned kArrivals = 1>
 __device__ __forceinline__ void mbar_init(unsigned long long* b) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(b)) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "n"(kArrivals) : "memory");
 }
 __device__ __forceinline__ void mbar_inval(unsigned long long* b) {
   asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(b)) : "memory");
@@ -73,17 +74,21 @@ __device__ __forceinline__ void bulk_load_hint(const void* dst, const void* src,
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(b)), "l"(policy) : "memory");
 }
 #else
-// Host simulation: a copy lands at once, so *b counts the barrier's completed phases; a wait on a phase
-// that has not completed would block forever on the device, and is reported (megart_host_fault).
+// Host simulation: a copy lands at once, so the low 32 bits of *b count the barrier's completed phases
+// (bits 32-47: this phase's arrivals so far, 48-63: the arrivals a phase expects); a wait on a phase that
+// has not completed would block forever on the device, and is reported (megart_host_fault).
+template <unsigned kArrivals = 1>
 inline void mbar_init(unsigned long long* b) {
   if (reinterpret_cast<uintptr_t>(b) % 8) megart_host_fault("mbarrier not 8-byte aligned");
-  *b = 0;
+  *b = (unsigned long long)kArrivals << 48;
 }
 inline void mbar_inval(unsigned long long* b) { *b = ~0ull; }
 inline void mbar_init_fence() {}
 inline void mbar_expect(unsigned long long* b, unsigned) {
   if (*b == ~0ull) megart_host_fault("arrive on an invalidated mbarrier");
-  ++*b;
+  const unsigned long long expected = *b >> 48, arrived = ((*b >> 32) & 0xffffull) + 1, phases = *b & 0xffffffffull;
+  *b = arrived == expected ? (expected << 48) | ((phases + 1) & 0xffffffffull)
+                           : (expected << 48) | (arrived << 32) | phases;
 }
 inline void mbar_arrive(unsigned long long* b) { mbar_expect(b, 0); }
 inline void cta_sync_all() { __syncthreads(); }  // (the host simulation runs the compute threads only)
@@ -206,10 +211,17 @@ __device__ __forceinline__ bool stream_wait(unsigned long long* b, unsigned pari
 #endif
 }
 
-// How a warp tells the producer a slot is free: an arrive on the slot's "empty" mbarrier (the default),
-// or (MEGART_STREAM_FREE=1) a release store of its read count that the producer acquires. Inline
-// production needs neither on the device (the warp itself issues); the host simulation keeps the barrier
-// to check the phases.
+// How a warp tells the producer a slot is free: an arrive on the slot's "empty" mbarrier by lane 0 after
+// __syncwarp() (the default), by every lane (MEGART_STREAM_FREE=2: the barrier expects 32 arrivals, so each
+// lane's own reads of the stage are released by its own arrive; the form compute-sanitizer's racecheck
+// follows, where it reports the default's slot reuse as a write-after-read), or (MEGART_STREAM_FREE=1) a
+// release store of its read count that the producer acquires. Inline production needs none on the device
+// (the warp itself issues); the host simulation keeps the barrier to check the phases.
+#if defined(MEGART_STREAM_FREE) && MEGART_STREAM_FREE == 2
+constexpr bool kFreeAllLanes = true;
+#else
+constexpr bool kFreeAllLanes = false;
+#endif
 #if !defined(__CUDA_ARCH__)
 constexpr bool kFreeByBarrier = true;
 #elif defined(MEGART_STREAM_FREE) && MEGART_STREAM_FREE == 1
@@ -217,6 +229,7 @@ constexpr bool kFreeByBarrier = false;
 #else
 constexpr bool kFreeByBarrier = kProducerWarp;
 #endif
+constexpr unsigned kEmptyArrivals = kFreeAllLanes && kFreeByBarrier ? 32u : 1u;
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ void st_release_shared(unsigned* p, unsigned v) {
   asm volatile("st.release.cta.shared::cta.u32 [%0], %1;" ::"r"(smem_addr(p)), "r"(v) : "memory");
@@ -299,7 +312,7 @@ __device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int 
   if (producer) {
     for (int s = 0; s < kStreamSlots; ++s) {
       mbar_init(stream_full(w, s));
-      mbar_init(stream_empty(w, s));
+      mbar_init<kEmptyArrivals>(stream_empty(w, s));
     }
     mbar_init_fence();
     WarpStream& ws = s_stream.warp[w];
@@ -429,10 +442,15 @@ __device__ __forceinline__ const char* stream_acquire(int warp) {
 // also issues the next stages here.
 __device__ __forceinline__ void stream_release(int warp) {
   __syncwarp();
+  if (kEmptyArrivals == 32u) {
+    const unsigned j = s_stream.warp[warp].consumed;
+    mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
+    __syncwarp();  // every lane has read the count and arrived before lane 0 advances it
+  }
   if ((threadIdx.x & 31) == 0) {
     WarpStream& ws = s_stream.warp[warp];
     const unsigned j = ws.consumed;
-    if (kFreeByBarrier) mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
+    if (kFreeByBarrier && kEmptyArrivals == 1u) mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
     st_release_shared(&ws.consumed, j + 1);
     if (!kProducerWarp) stream_inline_produce(ws, warp);
   }
