@@ -267,6 +267,12 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
     return res
 
 
+def fused_merge_fits(group: int, hd: int, chunks: int) -> bool:
+    """attention_decode can merge its own partials: every q head of a kv head in one instance, and each of
+    the head's chunks a non-empty piece of its group * hd outputs to claim."""
+    return group <= ATTN_SUBGROUP and chunks <= group * hd
+
+
 def out_claim(n: int, parts: int, i: int) -> tuple[int, int]:
     """Instance i's disjoint piece [lo, hi) of a kv head's n merged outputs (the device finds its head's
     start as its own pointer minus lo)."""
@@ -281,11 +287,12 @@ def _fused_refs(T, out, arrivals, n_q, n_kv, hd, group, nch):
         return lambda h, c: dict(out=None, arrivals=None)
     require(out is not None and arrivals is not None, T, "out and arrivals come together (the fused merge) or not at all")
     orf, ar = as_ref(out, "out"), as_ref(arrivals, "arrivals")
-    require(group <= ATTN_SUBGROUP, T, f"the fused merge needs every q head of a kv head in one instance: group "
-                                       f"{group} > {ATTN_SUBGROUP}; merge with attention_merge instead")
     n = group * hd
-    require(nch <= n, T, f"the fused merge gives each of a kv head's {nch} chunks a piece of its {n} outputs; "
-                         f"use at most {n} chunks or attention_merge")
+    if not fused_merge_fits(group, hd, nch):
+        require(group <= ATTN_SUBGROUP, T, f"the fused merge needs every q head of a kv head in one instance: "
+                                           f"group {group} > {ATTN_SUBGROUP}; merge with attention_merge instead")
+        require(False, T, f"the fused merge gives each of a kv head's {nch} chunks a piece of its {n} outputs; "
+                          f"use at most {n} chunks or attention_merge")
     require(orf.count == n_q * hd, T, f"out has {orf.count} elements, expected n_q * hd = {n_q * hd}")
     require(ar.count == n_kv, T, f"arrivals has {ar.count} elements, expected one i32 counter per kv head ({n_kv})")
 
@@ -346,7 +353,7 @@ def _attn_fused_ref(p) -> None:
                                nheads=G, group=G, hd=hd, chunks=C, g0=0))
 
 
-def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, out=None, chunks=None, **_):
+def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, out=None, part_o=None, **_):
     pr, kr = as_ref(pos, "pos"), as_ref(k_cache, "k_cache")
     ms = kr.count // (n_kv * hd)
     kv_len = _kv_len(int(pr.tensor.data.reshape(-1)[pr.offset].item()), ms)
@@ -354,7 +361,8 @@ def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, out=None, chunks=None, **_):
     cost = Cost(bytes=kv_bytes + n_q * hd * 2, flops=4 * n_q * kv_len * hd)
     if out is None:
         return cost
-    merge = _merge_cost(n_q=n_q, n_kv=n_kv, hd=hd, chunks=chunks or 1)
+    chunks = as_ref(part_o, "part_o").count // (n_q * hd)      # part_o is [n_kv, chunks, group, hd]
+    merge = _merge_cost(n_q=n_q, n_kv=n_kv, hd=hd, chunks=chunks)
     return Cost(bytes=cost.bytes + merge.bytes, flops=cost.flops + merge.flops)
 
 

@@ -109,10 +109,10 @@ def merge_fused(how: str, cfg: LlamaConfig, chunks: int) -> bool:
     "fused", "call" (attention_merge, one call more per layer) or "auto" (fused where the attention
     splitter allows it: a whole GQA group per instance and no more chunks than a kv head has outputs).
     Fused measured faster on the H200 (bench/RESULTS.md)."""
-    from ..tasks.attention import ATTN_SUBGROUP
+    from ..tasks.attention import fused_merge_fits
     if how != "auto":
         return how == "fused"
-    return cfg.group <= ATTN_SUBGROUP and chunks <= cfg.group * cfg.hd
+    return fused_merge_fits(cfg.group, cfg.hd, chunks)
 
 
 def attention_defines(cfg: LlamaConfig) -> dict:
