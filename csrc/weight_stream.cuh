@@ -211,20 +211,19 @@ __device__ __forceinline__ bool stream_wait(unsigned long long* b, unsigned pari
 #endif
 }
 
-// How a warp tells the producer a slot is free: an arrive on the slot's "empty" mbarrier by lane 0 after
-// __syncwarp() (the default), by every lane (MEGART_STREAM_FREE=2: the barrier expects 32 arrivals, so each
-// lane's own reads of the stage are released by its own arrive; the form compute-sanitizer's racecheck
-// follows, where it reports the default's slot reuse as a write-after-read), or (MEGART_STREAM_FREE=1) a
-// release store of its read count that the producer acquires. Inline production needs none on the device
+// How a warp tells the producer a slot is free: every lane arrives on the slot's "empty" mbarrier, which
+// expects 32 arrivals (MEGART_STREAM_FREE=2, the default: each lane's own reads of the stage are released by
+// its own arrive, the PTX memory model's plain form; measured no slower than one arrive), lane 0 arrives
+// after __syncwarp() (0: its arrive releases the others' reads through the __syncwarp), or (1) a release
+// store of the warp's read count that the producer acquires. Inline production needs none on the device
 // (the warp itself issues); the host simulation keeps the barrier to check the phases.
-#if defined(MEGART_STREAM_FREE) && MEGART_STREAM_FREE == 2
-constexpr bool kFreeAllLanes = true;
-#else
-constexpr bool kFreeAllLanes = false;
+#ifndef MEGART_STREAM_FREE
+#define MEGART_STREAM_FREE 2
 #endif
+constexpr bool kFreeAllLanes = MEGART_STREAM_FREE == 2;
 #if !defined(__CUDA_ARCH__)
 constexpr bool kFreeByBarrier = true;
-#elif defined(MEGART_STREAM_FREE) && MEGART_STREAM_FREE == 1
+#elif MEGART_STREAM_FREE == 1
 constexpr bool kFreeByBarrier = false;
 #else
 constexpr bool kFreeByBarrier = kProducerWarp;

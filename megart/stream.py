@@ -148,7 +148,7 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
     _choice(cfg, "MEGART_STREAM_POLL", (0, 1), "the producer polls free slots without suspending (1) or with "
             "the suspending try_wait (0)", 1)
     _choice(cfg, "MEGART_STREAM_FREE", (0, 1, 2), "how a warp frees a slot: lane 0 arrives on its mbarrier (0), a "
-            "release store of the warp's read count (1), every lane arrives (2)", 0)
+            "release store of the warp's read count (1), every lane arrives (2, the default)", 2)
     return lay
 
 

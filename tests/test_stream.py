@@ -162,7 +162,7 @@ def test_llama_step_streams_every_weighted_projection(cfg_name):
     # (explicit depths: "auto" may decline the stream of a tiny kernel that spills under the register split)
     for name, defines in (("registers", {"MEGART_STREAM_SLOTS": 0}), ("stream", {"MEGART_STREAM_SLOTS": 5}),
                           ("stream8k", {"MEGART_STREAM_SLOTS": 2, "MEGART_STREAM_STAGE": 256}),
-                          ("all_lanes_free", {"MEGART_STREAM_SLOTS": 5, "MEGART_STREAM_FREE": 2})):
+                          ("lane0_free", {"MEGART_STREAM_SLOTS": 5, "MEGART_STREAM_FREE": 0})):
         m = llama.LlamaModel(cfg, device="cpu", nw=4, kv=clone_kv(prefix), defines=defines)
         m.pk.compile()
         lay = m.pk.stream_layout()
@@ -170,7 +170,7 @@ def test_llama_step_streams_every_weighted_projection(cfg_name):
         torch.manual_seed(0)
         outs[name] = {k: v.clone() for k, v in dense_hostsim.run(m.pk, steps=1).items()}
     assert outs["registers"].keys() == outs["stream"].keys()
-    for name in ("stream", "stream8k", "all_lanes_free"):
+    for name in ("stream", "stream8k", "lane0_free"):
         for k, v in outs["registers"].items():
             assert torch.equal(outs[name][k], v), (name, k)
 

@@ -15,7 +15,7 @@ REGISTERS = {"MEGART_STREAM_SLOTS": 0}
 ENGINES = [{"MEGART_STREAM_SLOTS": "auto"}, {"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_STAGE": 256},
            {"MEGART_STREAM_SLOTS": 8, "MEGART_STREAM_STAGE": 64},
            {"MEGART_STREAM_SLOTS": 3, "MEGART_STREAM_PRODUCER_WARPS": 1},
-           {"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_FREE": 2}]     # every lane frees its slot
+           {"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_FREE": 0}]     # lane 0 alone frees its slot
 
 
 def _dense_chain(defines, n, k, tiles, nw, dev):
