@@ -40,6 +40,23 @@ __device__ __forceinline__ void signal_event(unsigned* events, int ev) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(events + ev) : "memory");
 }
 
+// MEGART_LEAN_SYNC (default 1): an instance's signals share one release fence, then relaxed adds (each
+// red.release fences again, and a fence waits for the adds before it to be acknowledged, so an instance's
+// second signal left a memory round trip after its first). 0 keeps one red.release per signal.
+#ifndef MEGART_LEAN_SYNC
+#define MEGART_LEAN_SYNC 1
+#endif
+constexpr bool kLeanSync = MEGART_LEAN_SYNC != 0;
+template <bool kSys>
+__device__ __forceinline__ void fence_release() {
+  if constexpr (kSys) asm volatile("fence.acq_rel.sys;" ::: "memory");
+  else asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+// After fence_release (the fence makes the add a release).
+__device__ __forceinline__ void signal_event_relaxed(unsigned* events, int ev) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(events + ev) : "memory");
+}
+
 #ifdef MEGART_TP
 // A peer signal word (megart/layout.py) counts event e up on rank q; ctrl[kCtrlWords + q] is the address,
 // mapped on this GPU, of rank q's counters.
@@ -47,6 +64,13 @@ __device__ __forceinline__ void signal_peer(const long long* ctrl, int word) {
   const unsigned v = (unsigned)(-1 - word);
   unsigned* base = reinterpret_cast<unsigned*>(ctrl[kCtrlWords + (v >> kPeerRankShift)]);
   asm volatile("red.release.sys.global.add.u32 [%0], 1;" ::"l"(base + (v & ((1u << kPeerRankShift) - 1)))
+               : "memory");
+}
+// The same after fence_release<true>().
+__device__ __forceinline__ void signal_peer_relaxed(const long long* ctrl, int word) {
+  const unsigned v = (unsigned)(-1 - word);
+  unsigned* base = reinterpret_cast<unsigned*>(ctrl[kCtrlWords + (v >> kPeerRankShift)]);
+  asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(base + (v & ((1u << kPeerRankShift) - 1)))
                : "memory");
 }
 #endif

@@ -136,6 +136,16 @@ __device__ __forceinline__ float merge_point(const float* ml, const float* po, i
 // next step's arrivals come in a later launch). Call it from one thread after a CTA barrier.
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ bool arrive_last(int* counter, int n) {
+  if (megart::kLeanSync) {
+    // One acq_rel add: it releases the CTA's writes (ordered before this thread by the barrier) and, for
+    // the last, acquires every other instance's. The reset needs no fence: the next arrivals come in a
+    // later launch.
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    if (old != n - 1) return false;
+    asm volatile("st.relaxed.gpu.global.s32 [%0], 0;" ::"l"(counter) : "memory");
+    return true;
+  }
   __threadfence();  // release: the CTA's writes, ordered before this thread by the barrier, come first
   if (atomicAdd(counter, 1) != n - 1) return false;
   atomicExch(counter, 0);
