@@ -42,7 +42,7 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-MODEL_OPTIONS = ("deps",)
+MODEL_OPTIONS = ("deps", "attn_merge", "attn_chunks")   # attn_chunks: the model's tiles["attn_chunks"]
 
 
 def split_variant(variant: dict) -> tuple[dict, dict]:
@@ -50,8 +50,10 @@ def split_variant(variant: dict) -> tuple[dict, dict]:
     unknown = [k for k in variant if not k.startswith("MEGART_") and k not in MODEL_OPTIONS]
     if unknown:
         raise SystemExit(f"stream_bench: {unknown} are neither MEGART_* macros nor model options {MODEL_OPTIONS}")
-    return ({k: v for k, v in variant.items() if k.startswith("MEGART_")},
-            {k: v for k, v in variant.items() if k in MODEL_OPTIONS})
+    model = {k: v for k, v in variant.items() if k in MODEL_OPTIONS}
+    if "attn_chunks" in model:
+        model["tiles"] = {"attn_chunks": int(model.pop("attn_chunks"))}
+    return {k: v for k, v in variant.items() if k.startswith("MEGART_")}, model
 
 
 def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = None, model_kw=None) -> tuple[list, float]:
