@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import megart
-from megart.geometry.attention import ref_attention_decode, ref_qkv_rope_append
+from megart.geometry.attention import attention_m1, ref_attention_decode, ref_qkv_rope_append
 from megart.geometry.attention import chunk_range
 
 import test_tasks_attention as cpu
@@ -94,6 +94,28 @@ def test_attention_groups_gpu(cuda, group):
     compiled(pk)
     pk()
     check(t["out"].data.cpu(), ref_attention_decode(q, k, v, 3001), TOL_ATTN, f"group {group}")
+
+
+@pytest.mark.parametrize("defines", [{}, {"MEGART_ATTN_RING_BYTES": 0}], ids=["ring", "registers"])
+def test_attention_after_a_late_pos_advance_gpu(cuda, defines):
+    """pos_advance in the same launch, after a 200 us spin on worker 0: the other workers' prewaits read the
+    previous pos, and their bodies (the K/V ring, whose first stages follow that pos, and the register path)
+    find pos moved after the wait (dynamic chunks: the bounds moved too) and attend the chunk the new pos
+    gives. The output is the attention at the new pos."""
+    sh, ms, kv_len = SHAPES[64], 2048, 1500
+    n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
+    q, k, v = attention_m1(n_q, n_kv, hd, kv_len, ms, seed=5)
+    pk = megart.PersistentKernel(nw=sms(), defines=defines)
+    T = lambda a, name: pk.tensor(a.clone().to("cuda"), name)  # noqa: E731
+    t = dict(q=T(q, "q"), k=T(k, "k"), v=T(v, "v"), pos=T(torch.tensor([kv_len - 2], dtype=torch.int32), "pos"))
+    pos_next = T(torch.tensor([kv_len - 1], dtype=torch.int32), "pos_next")
+    pk.task("spin", ns=200_000, worker=0)
+    pk.task("pos_advance", pos=t["pos"], pos_next=pos_next, worker=0)
+    build_attention(pk, t, sh, ms, dev="cuda", merge="fused")
+    compiled(pk)
+    pk()
+    assert int(t["pos"].data.item()) == kv_len - 1
+    check(t["out"].data.cpu(), ref_attention_decode(q, k, v, kv_len), TOL_ATTN, "attention at the new pos")
 
 
 # --- the chain, several steps of one compiled kernel ------------------------------------------------------
