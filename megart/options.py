@@ -28,8 +28,9 @@ OWNED_MACROS = {
     "MEGART_PRODUCER_REGS": "the weight stream's register split, from threads=",
     "MEGART_STREAM_HANG_FREE": "the weight stream's hang code (megart/stream.py)",
 }
-# Macros Python also reads (to size shared memory): they must be non-negative integers.
-INT_MACROS = ("MEGART_DENSE_RING_SLOTS", "MEGART_ATTN_RING_BYTES", "MEGART_PREFETCH_KB")
+# Macros that must be non-negative integers: Python also reads them (to size shared memory), or the device
+# code tests them as numbers (MEGART_LEAN_SYNC: one release fence per instance's signals, csrc/runtime.cuh).
+INT_MACROS = ("MEGART_DENSE_RING_SLOTS", "MEGART_ATTN_RING_BYTES", "MEGART_PREFETCH_KB", "MEGART_LEAN_SYNC")
 
 
 def check_defines(defines, origin: str = "defines") -> dict:

@@ -147,6 +147,7 @@ def test_item07_override_typo_is_an_error_listing_the_valid_keys(tmp_path):
     ({"A B": 1}, "not a macro name"),
     ({"X": "1\n#define Y 2"}, "one non-empty line"),
     ({"MEGART_DENSE_RING_SLOTS": "two"}, "non-negative integer"),
+    ({"MEGART_LEAN_SYNC": "yes"}, "MEGART_LEAN_SYNC='yes' must be a non-negative integer"),
 ])
 def test_item08_owned_or_malformed_defines_are_refused(defines, match):
     with pytest.raises(ConfigError, match=match):

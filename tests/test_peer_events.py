@@ -171,3 +171,15 @@ def test_gemv_partial_and_tp_argmax_bodies_in_the_host_simulation():
     assert int(out["tok"][0]) == 9           # 2.0 at rank 0 row 9 and rank 1 row 3 (= 13): lowest id wins
     emu = pk.emulate()
     assert torch.equal(emu["tok"], out["tok"]) and torch.allclose(emu["y"], out["y"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lean", ["0", "1"])
+def test_both_signal_fence_forms_compile_with_peer_signals(monkeypatch, lean):
+    """An instance's signals behind one release fence (MEGART_LEAN_SYNC=1, the default: system scope when one of
+    them goes to a peer, then relaxed adds) or one red.release each (0): both compile without spills in a
+    kernel with local and peer signals, and the source carries the choice."""
+    monkeypatch.setenv("MEGART_DEFINES", f"MEGART_LEAN_SYNC={lean}")
+    pk, _ = rank_kernel(HostPeers(2).rank(0), 0, nw=4)
+    pk.compile()
+    assert f"#define MEGART_LEAN_SYNC {lean}" in pk.source.text
+    assert pk.report.spill_stores == 0 and pk.report.spill_loads == 0
