@@ -60,18 +60,17 @@ __device__ __forceinline__ void signal_event_relaxed(unsigned* events, int ev) {
 #ifdef MEGART_TP
 // A peer signal word (megart/layout.py) counts event e up on rank q; ctrl[kCtrlWords + q] is the address,
 // mapped on this GPU, of rank q's counters.
-__device__ __forceinline__ void signal_peer(const long long* ctrl, int word) {
+__device__ __forceinline__ unsigned* peer_counter(const long long* ctrl, int word) {
   const unsigned v = (unsigned)(-1 - word);
   unsigned* base = reinterpret_cast<unsigned*>(ctrl[kCtrlWords + (v >> kPeerRankShift)]);
-  asm volatile("red.release.sys.global.add.u32 [%0], 1;" ::"l"(base + (v & ((1u << kPeerRankShift) - 1)))
-               : "memory");
+  return base + (v & ((1u << kPeerRankShift) - 1));
+}
+__device__ __forceinline__ void signal_peer(const long long* ctrl, int word) {
+  asm volatile("red.release.sys.global.add.u32 [%0], 1;" ::"l"(peer_counter(ctrl, word)) : "memory");
 }
 // The same after fence_release<true>().
 __device__ __forceinline__ void signal_peer_relaxed(const long long* ctrl, int word) {
-  const unsigned v = (unsigned)(-1 - word);
-  unsigned* base = reinterpret_cast<unsigned*>(ctrl[kCtrlWords + (v >> kPeerRankShift)]);
-  asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(base + (v & ((1u << kPeerRankShift) - 1)))
-               : "memory");
+  asm volatile("red.relaxed.sys.global.add.u32 [%0], 1;" ::"l"(peer_counter(ctrl, word)) : "memory");
 }
 #endif
 

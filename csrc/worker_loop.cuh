@@ -17,40 +17,28 @@ namespace megart {
 
 __device__ __forceinline__ void signal_all(const TaskDesc& d, unsigned* events, const long long* ctrl) {
   // A release at gpu scope after the CTA barrier publishes every thread's writes (CUTLASS's pattern): one
-  // fence for all of the instance's signals (system scope if one goes to a peer), then relaxed adds.
+  // fence for all of the instance's signals (system scope if one goes to a peer), then relaxed adds; or,
+  // with MEGART_LEAN_SYNC=0, a red.release per signal.
   const int n = d.hdr[kHdr_n_signal];
-  if (kLeanSync) {
-    if (n == 0) return;
-#ifdef MEGART_TP
+  if (kLeanSync && n > 0) {
     bool peer = false;
+#ifdef MEGART_TP
     for (int k = 0; k < n; ++k) peer |= d.hdr[kHdr_signal_event + k] < 0;
+#endif
     if (peer) fence_release<true>();
     else fence_release<false>();
-#else
-    fence_release<false>();
-#endif
-    for (int k = 0; k < n; ++k) {
-      const int ev = d.hdr[kHdr_signal_event + k];
-#ifdef MEGART_TP
-      if (ev < 0) {
-        signal_peer_relaxed(ctrl, ev);
-        continue;
-      }
-#endif
-      signal_event_relaxed(events, ev);
-    }
-    (void)ctrl;
-    return;
   }
   for (int k = 0; k < n; ++k) {
     const int ev = d.hdr[kHdr_signal_event + k];
 #ifdef MEGART_TP
     if (ev < 0) {  // a peer event on another rank (system scope)
-      signal_peer(ctrl, ev);
+      if (kLeanSync) signal_peer_relaxed(ctrl, ev);
+      else signal_peer(ctrl, ev);
       continue;
     }
 #endif
-    signal_event(events, ev);
+    if (kLeanSync) signal_event_relaxed(events, ev);
+    else signal_event(events, ev);
   }
   (void)ctrl;
 }

@@ -170,7 +170,8 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
 // the last of the kv head's nchunks instances to arrive merges all their partials into out, with the
 // arithmetic of attention_merge, so o_proj waits on this call alone. The instance's pointers sit at its own
 // chunk: chunk 0's partials lie cidx * G slots back, and its claim on out starts cidx * G * HD / nchunks
-// elements into the head's G * HD outputs (tasks/attention.py, out_claim) (each instance claims a disjoint piece, so a reader of out waits for all of them).
+// elements into the head's G * HD outputs (tasks/attention.py, out_claim; each instance claims a disjoint
+// piece, so a reader of out waits for all of them).
 // One copy for every head size and width, run after the body (a copy inside each instantiation spilled the
 // kernel that holds every built-in type; a called function did too).
 __device__ __forceinline__ void merge_if_last(const megart_params_attention_decode& p, char* smem) {

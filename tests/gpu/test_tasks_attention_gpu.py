@@ -98,10 +98,10 @@ def test_attention_groups_gpu(cuda, group):
 
 @pytest.mark.parametrize("defines", [{}, {"MEGART_ATTN_RING_BYTES": 0}], ids=["ring", "registers"])
 def test_attention_after_a_late_pos_advance_gpu(cuda, defines):
-    """pos_advance in the same launch, after a 200 us spin on worker 0: the other workers' prewaits read the
-    previous pos, and their bodies (the K/V ring, whose first stages follow that pos, and the register path)
-    find pos moved after the wait (dynamic chunks: the bounds moved too) and attend the chunk the new pos
-    gives. The output is the attention at the new pos."""
+    """pos_advance in the same launch, after a 200 us spin on worker 0, so pos moves while the attention
+    workers wait (dynamic chunks: the chunk bounds move with it). Each body (the K/V ring and the register
+    path) must attend the chunk of the pos it finds after its wait: the output is the attention at the new
+    pos. (A guard for any design that reads pos or K/V before the wait.)"""
     sh, ms, kv_len = SHAPES[64], 2048, 1500
     n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
     q, k, v = attention_m1(n_q, n_kv, hd, kv_len, ms, seed=5)
