@@ -18,6 +18,8 @@ All in one run, every figure measured here:
 * relerr_tp1_ref / relerr_tp2_ref  TP=1 and TP=2 logits, each against the PyTorch reference fed the same
              tokens (megart.models.reference, "bf16" precision: what the single-GPU gate of 3e-2 is measured
              against); each relerr also has its _median, and relerr_per_step lists all three per step
+* tp2_unfolded_us  (--compare-unfolded) the TP=2 step again with o_proj's all-reduce as a tp_sum_f32 call of
+             its own (LlamaTPRank(fold_sums=False)) instead of summed in gate_up's x staging (the default)
 * kv_chunks_per_head  a rank's attention chunks (--attn-chunks match: TP=1's, the default; local: the old split)
 * profile    (--profile, last, after every timed figure, in builds of their own) per rank, the profiled TP step per
              call kind summed over layers (wall, slowCTA, sumCTA, wait; bytes and their floor), and rank 0's
@@ -391,6 +393,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--attn-chunks", default="match", choices=ATTN_CHUNKS,
                     help="a rank's KV chunks per kv head: match TP=1's (default) or nw // its kv heads (the old split)")
+    ap.add_argument("--compare-unfolded", action="store_true",
+                    help="also time the TP=2 step with o_proj's all-reduce as a tp_sum_f32 call (tp2_unfolded_us)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed figures: profiled TP and TP=1 builds, per call kind (JSON 'profile')")
     ap.add_argument("--profile-steps", type=int, default=8)
@@ -435,6 +439,18 @@ def main(argv=None):
     res["tp2_us_per_rank"] = [round(float(b), 1) for b in both]
     res["tp2_us"] = round(max(float(b) for b in both), 1)
     log(f"TP=2 {res['tp2_us']} us/step (per rank {res['tp2_us_per_rank']}), floor {res['floor_us_per_gpu']}")
+    res["fold_sums"] = tp.fold_sums
+    if args.compare_unfolded:
+        tp.sync()
+        plain = LlamaTPRank(cfg, Ws, kvs, peers=SymmetricPeers(device=dev), device=dev, attn_chunks=args.attn_chunks,
+                            fold_sums=False)
+        dist.barrier()
+        t = torch.tensor([med(time_tp(plain, timer, args.steps))], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        res["tp2_unfolded_us"] = round(float(t), 1)
+        plain.sync()
+        del plain
+        log(f"TP=2 with o_proj's sum as a call of its own: {res['tp2_unfolded_us']} us/step")
     try:
         res.update(greedy_relerr(one, tp, cfg, world, rank, args.greedy, dev))
         if rank == 0:

@@ -118,14 +118,38 @@ __device__ __forceinline__ void prefetch_head(const void* p, unsigned long long 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
 // ---- x staging (+ fused RMSNorm prologue) ------------------------------------------------------
-// xs[0:k) = x, or bf16(x * rsqrt(mean(x^2) + eps) * g) when `norm`. k % 8 == 0, x and g 16-byte
-// aligned. Every CTA reduces the whole x itself (no grid barrier before the GEMV). Ends synced.
+// A tensor-parallel all-reduce folded into the staging (kFlagParts): x becomes bf16(x + parts[0] + ... +
+// parts[tp - 1]), the f32 slots k elements apart summed in rank order and rounded once (tp_sum_f32's
+// arithmetic, so every rank stages the same bits), and this instance stores elements [out_lo, out_hi) of
+// that sum to out (the residual stream's next value; multiples of 8).
+struct PartsSum {
+  const float* parts = nullptr;  // nullptr: x is staged as it is
+  int tp = 0;
+  __nv_bfloat16* out = nullptr;  // element out_lo of the sum is out[0]
+  int out_lo = 0, out_hi = 0;
+};
+
+// xs[0:k) = x (or the sum above), or bf16(x * rsqrt(mean(x^2) + eps) * g) when `norm`. k % 8 == 0, x and
+// g 16-byte aligned. Every CTA reduces the whole x itself (no grid barrier before the GEMV). Ends synced.
 __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloat16* g, int k, bool norm,
-                                        float eps, uint4* xs, float* scratch) {
+                                        float eps, uint4* xs, float* scratch, const PartsSum& sum = PartsSum{}) {
   const int kc = k >> 3;
   float ss = 0.f;
   for (int c = threadIdx.x; c < kc; c += MEGART_THREADS) {
-    const uint4 v = ld_act(x + 8 * c);
+    uint4 v = ld_act(x + 8 * c);
+    if (sum.parts != nullptr) {
+      float f[8];
+      unpack8(v, f);
+      for (int r = 0; r < sum.tp; ++r) {
+        const float* s = sum.parts + (long long)r * k + 8 * c;
+        const uint4 a = ld_act(s), b = ld_act(s + 4);
+        f[0] += __uint_as_float(a.x); f[1] += __uint_as_float(a.y); f[2] += __uint_as_float(a.z);
+        f[3] += __uint_as_float(a.w); f[4] += __uint_as_float(b.x); f[5] += __uint_as_float(b.y);
+        f[6] += __uint_as_float(b.z); f[7] += __uint_as_float(b.w);
+      }
+      v = pack8(f);
+      if (8 * c >= sum.out_lo && 8 * c < sum.out_hi) reinterpret_cast<uint4*>(sum.out)[c - (sum.out_lo >> 3)] = v;
+    }
     xs[c] = v;
     if (norm) {
       float f[8];
@@ -631,7 +655,9 @@ template <bool FP8, class P, class Rows>
 __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>& plan, const float* s_gate,
                                              const float* s_up, char* smem) {
   uint4* xs = xs_of(smem);
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  PartsSum sum;
+  if (p.flags & kFlagParts) sum = PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), sum);
   const int lane = threadIdx.x & 31;
   matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), [&](int g, float gate, float up) {
     if constexpr (FP8) {

@@ -21,10 +21,12 @@ def source(name: str) -> str:
 FLAG_RESIDUAL = 1
 FLAG_NORM = 2
 FLAG_LOGITS = 4
+FLAG_PARTS = 8       # gate_up_silu(_fp8): x = residual + the ranks' f32 partials (a folded all-reduce)
 
 SCRATCH_BYTES = 256
 header_constants(HEADERS[0], "megart::dense", {"kFlagResidual": FLAG_RESIDUAL, "kFlagNorm": FLAG_NORM,
-                                                "kFlagLogits": FLAG_LOGITS, "kScratchBytes": SCRATCH_BYTES})
+                                                "kFlagLogits": FLAG_LOGITS, "kFlagParts": FLAG_PARTS,
+                                                "kScratchBytes": SCRATCH_BYTES})
 MAX_K = 16384                  # longest x a GEMV-type body stages in shared memory (bf16)
 STAGE_SMEM = SCRATCH_BYTES + 2 * MAX_K   # 33,024 B: under the 48 KiB default dynamic limit
 ALIGN_BYTES = 16               # every vector-loaded operand starts on a 16-byte boundary
@@ -139,6 +141,15 @@ def shape_of(task: str, value, name: str) -> tuple:
     require(r.offset == 0 and r.count == r.tensor.numel, task,
             f"{name} must be a whole tensor (its shape is needed), not a slice")
     return r.tensor.shape
+
+
+def sum_parts(x: torch.Tensor, parts: torch.Tensor, tp: int) -> torch.Tensor:
+    """bf16(x + parts[0] + ... + parts[tp-1]): the f32 slots (len(x) apart) added in rank order, one rounding
+    (tp_sum_f32's arithmetic, which a folded all-reduce stages)."""
+    acc = x.float().clone()
+    for r in range(tp):
+        acc += parts[r * x.numel():(r + 1) * x.numel()].float()
+    return acc.to(torch.bfloat16)
 
 
 def stage_x(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:

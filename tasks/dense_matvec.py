@@ -11,8 +11,9 @@ import torch
 
 from ..geometry.dense import EXPERT_ROWS  # group_gemm_m1: each expert's tile of `a` / `y` rows (row 0 live)
 from ..registry import Cost, TaskType, ptr, register, scalar
-from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS, STAGE_SMEM, aligned,
-                           check_k, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub, wrappers)
+from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_PARTS, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS,
+                           STAGE_SMEM, aligned, check_k, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub,
+                           sum_parts, wrappers)
 from .shapes import check_shape
 from .tiling import even_tiles, require
 
@@ -173,8 +174,30 @@ register(TaskType(
 
 
 # ---- gate_up_silu / gate_up_silu_fp8 -------------------------------------------------------------
+def _fold(task: str, x, parts, tp, x_out, n_inst: int) -> tuple:
+    """A tensor-parallel all-reduce folded into the x staging: parts (tp f32 slots of len(x)) are added to
+    x, and instance j stores its 8-aligned piece of the sum to x_out. Returns (flag, per-instance params)."""
+    if parts is None and x_out is None:
+        return 0, [dict(parts=None, x_out=None, tp=0, x_lo=0, x_hi=0)] * n_inst
+    require(parts is not None and x_out is not None, task, "parts and x_out come together (a folded all-reduce: "
+            "x + the ranks' partials is staged, and x_out receives that sum)")
+    pr, xo, k = ref(task, parts, "parts"), ref(task, x_out, "x_out"), x.count
+    require(isinstance(tp, int) and tp >= 1 and pr.count == tp * k, task,
+            f"parts has {pr.count} elements; tp={tp!r} slots of x[{k}] need {tp * k if isinstance(tp, int) else '?'}")
+    require(xo.count == k, task, f"x_out has {xo.count} elements, x has {k}")
+    aligned(task, pr, "parts")
+    aligned(task, xo, "x_out")
+    for r, nm in ((pr, "parts"), (xo, "x_out")):
+        disjoint(task, r, nm, x, "x")
+    disjoint(task, xo, "x_out", pr, "parts")
+    pieces = even_tiles(k, n_inst, align=8)
+    pieces += [(0, 0)] * (n_inst - len(pieces))      # (more instances than 8-element pieces: some store none)
+    return FLAG_PARTS, [dict(parts=pr, x_out=sub(xo, lo, hi - lo) if hi > lo else None, tp=tp, x_lo=lo, x_hi=hi)
+                        for lo, hi in pieces]
+
+
 def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_weight=None, eps=1e-5,
-                   s_gate=None, s_up=None, task="gate_up_silu"):
+                   s_gate=None, s_up=None, task="gate_up_silu", parts=None, tp=0, x_out=None):
     fp8 = task == "gate_up_silu_fp8"     # e4m3 rows with per-row f32 scales s_gate / s_up
     h, wg, wu = ref(task, h, "h"), ref(task, w_gate, "w_gate"), ref(task, w_up, "w_up")
     x, g = _common_x(task, x, norm_weight, 16 if fp8 else 8)
@@ -187,15 +210,22 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
     for nm, r in scales.items():
         require(r.count == f, task, f"{nm} has {r.count} elements, h has {f} (one scale per row)")
     disjoint(task, h, "h", x, "x")
-    flags = FLAG_NORM if g is not None else 0
+    rows = even_tiles(f, tiles)
+    fold, folds = _fold(task, x, parts, tp, x_out, len(rows))
+    flags = (FLAG_NORM if g is not None else 0) | fold
     return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
-                 x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps),
+                 x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps), **fd,
                  **{nm: sub(r, lo, hi - lo) for nm, r in scales.items()})
-            for lo, hi in even_tiles(f, tiles)]
+            for (lo, hi), fd in zip(rows, folds)]
 
 
 def _gate_up_ref(p) -> None:
-    xs = stage_x(p.x, _norm(p), p.eps)
+    x = p.x
+    if p.flags & FLAG_PARTS:
+        x = sum_parts(p.x, p.parts, p.tp)
+        if p.x_out is not None:
+            p.x_out.copy_(x[p.x_lo:p.x_hi])
+    xs = stage_x(x, _norm(p), p.eps)
     gate = p.w_gate.view(p.n, p.k).float() @ xs
     up = p.w_up.view(p.n, p.k).float() @ xs
     if hasattr(p, "s_gate"):    # gate_up_silu_fp8: per-row scales after the fp32 dots, as the device
@@ -203,10 +233,12 @@ def _gate_up_ref(p) -> None:
     p.h.copy_((silu(gate) * up).to(torch.bfloat16))
 
 
-def _gate_up_cost(h=None, w_gate=None, w_up=None, x=None, norm_weight=None, s_gate=None, s_up=None, **_):
+def _gate_up_cost(h=None, w_gate=None, w_up=None, x=None, norm_weight=None, s_gate=None, s_up=None, parts=None,
+                  x_out=None, **_):
     h, x = ref("cost", h, "h"), ref("cost", x, "x")
     b = nbytes(ref("cost", w_gate, "w_gate")) + nbytes(ref("cost", w_up, "w_up")) + nbytes(x) + nbytes(h) \
-        + nbytes(opt_ref(norm_weight, "norm_weight")) + nbytes(opt_ref(s_gate, "s_gate")) + nbytes(opt_ref(s_up, "s_up"))
+        + nbytes(opt_ref(norm_weight, "norm_weight")) + nbytes(opt_ref(s_gate, "s_gate")) + nbytes(opt_ref(s_up, "s_up")) \
+        + nbytes(opt_ref(parts, "parts")) + nbytes(opt_ref(x_out, "x_out"))
     return Cost(bytes=b, flops=4 * h.count * x.count)
 
 
@@ -215,11 +247,14 @@ register(TaskType(
     generated=wrappers("w_gate", "w_up", ring=True),
     params=(ptr("h", "bf16", "out"), ptr("w_gate", "bf16", "weight"), ptr("w_up", "bf16", "weight"),
             ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight", optional=True),
-            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
+            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True),
+            scalar("tp"), scalar("x_lo"), scalar("x_hi")),
     source=source("gate_up_silu"), headers=HEADERS, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
     prefetch=True, **RING,
     doc="h[F] = silu(Wg[F,K] x) * (Wu[F,K] x), gate and up kept in fp32 registers (never stored); optional "
-        "RMSNorm prologue as gemv_m1. Tiles over F."), builtin=True)
+        "RMSNorm prologue as gemv_m1. With parts (tp f32 slots of K) and x_out, a tensor-parallel all-reduce is "
+        "folded in: x + parts[0] + ... + parts[tp-1] (rank order, one bf16 rounding, as tp_sum_f32) is what is "
+        "normalised, and each instance stores its piece of that sum to x_out. Tiles over F."), builtin=True)
 
 
 register(TaskType(
@@ -228,7 +263,8 @@ register(TaskType(
     params=(ptr("h", "bf16", "out"), ptr("w_gate", "fp8e4m3", "weight"), ptr("w_up", "fp8e4m3", "weight"),
             ptr("s_gate", "f32", "weight"), ptr("s_up", "f32", "weight"), ptr("x", "bf16", "in"),
             ptr("norm_weight", "bf16", "weight", optional=True),
-            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
+            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True),
+            scalar("tp"), scalar("x_lo"), scalar("x_hi")),
     source=source("gate_up_silu_fp8"), headers=HEADERS, reference=_gate_up_ref,
     split=lambda nw, tiles=1, **kw: _gate_up_split(nw, tiles, task="gate_up_silu_fp8", **kw), cost=_gate_up_cost,
     prefetch=True, **RING,

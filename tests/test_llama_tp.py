@@ -54,6 +54,24 @@ def test_tp_matches_single_gpu_model_and_reference(shape, world):
         tok = int(token)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_folded_sums_match_the_sum_calls_bit_for_bit(world):
+    """o_proj's all-reduce summed in gate_up's x staging (the default) instead of a tp_sum_f32 call: one call
+    fewer per layer, and the same logits to the bit (the same f32 additions in rank order, one rounding)."""
+    cfg = llama.tiny() if world == 2 else llama.tiny().with_(name="tiny4", n_q=8, n_kv=4)
+    W, kv = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
+    runs = {}
+    for fold in (True, False):
+        group = LlamaTPGroup(cfg, world, W, clone_kv(kv), nw=NW, fold_sums=fold)
+        assert any(k.endswith("o.sum") for k in group.ranks[0].groups) != fold
+        tok, runs[fold] = 7, []
+        for _ in range(2):
+            logits, token = group.step(tok)
+            runs[fold].append(logits.clone())
+            tok = int(token)
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+
+
 def test_tp_rejects_shapes_it_cannot_split():
     with pytest.raises(GraphError, match="n_kv .* divisible by 4"):
         shard_config(llama.tiny(), 4)

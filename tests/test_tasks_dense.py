@@ -259,6 +259,59 @@ def test_gate_up_silu_fp8(f, k, tiles, norm):
     assert not bad.graph.instances
 
 
+@pytest.mark.parametrize("f,k,tiles,tp", [
+    pytest.param(8192, 2048, 132, 2, id="1b-tp2"),
+    pytest.param(1000, 264, 7, 3, id="odd-tp3"),
+    pytest.param(64, 16, 4, 2, id="fewer-pieces-than-instances"),
+])
+def test_gate_up_silu_folded_all_reduce(f, k, tiles, tp):
+    """A tensor-parallel all-reduce folded into the staging: the body stages bf16(x + parts[0] + ... ) (rank
+    order, one rounding), normalises it, and the instances store that sum to x_out between them. Bit for bit
+    what tp_sum_f32 then gate_up_silu give (the host-run CUDA body against a kernel fed the finished sum)."""
+    from megart.tasks.dense_common import sum_parts
+    wg, x = geo.dense_m1(f, k, seed=31)
+    wu, _ = geo.dense_m1(f, k, seed=32)
+    g = geo.norm_weight(k, seed=33)
+    parts = torch.randn(tp * k, generator=torch.Generator().manual_seed(34)) * 0.5
+    total = sum_parts(x, parts, tp)
+    outs = {}
+    for how in ("folded", "summed"):
+        pk = kernel()
+        T = pk.tensor
+        common = dict(h=T(torch.zeros(f, dtype=torch.bfloat16), "h"), w_gate=T(wg, "wg"), w_up=T(wu, "wu"),
+                      norm_weight=T(g, "g"), tiles=tiles)
+        if how == "folded":
+            pk.task("gate_up_silu", x=T(x, "x"), parts=T(parts, "parts"), tp=tp,
+                    x_out=T(torch.zeros(k, dtype=torch.bfloat16), "x_out"), **common)
+        else:
+            pk.task("gate_up_silu", x=T(total.clone(), "x"), **common)
+        outs[how] = run(pk)
+    (emu, dev), (_, dev_summed) = outs["folded"], outs["summed"]
+    assert torch.equal(dev["x_out"], total) and torch.equal(emu["x_out"], total)
+    assert torch.equal(dev["h"], dev_summed["h"])
+    ref = geo.ref_gate_up_silu(wg, wu, total, norm_weight=g)
+    drop = geo.ref_gate_up_silu(wg, wu, x, norm_weight=g)                      # forgot the partials
+    gate("gate_up_silu", emu["h"], dev["h"], ref, drop)
+
+
+def test_gate_up_silu_fold_rejects():
+    pk = kernel(4)
+    T = pk.tensor
+    k = 64
+    args = dict(h=T(torch.zeros(16, dtype=torch.bfloat16), "h"), w_gate=T(torch.zeros(16, k, dtype=torch.bfloat16), "wg"),
+                w_up=T(torch.zeros(16, k, dtype=torch.bfloat16), "wu"), x=T(torch.zeros(k, dtype=torch.bfloat16), "x"))
+    parts, x_out = T(torch.zeros(2 * k), "parts"), T(torch.zeros(k, dtype=torch.bfloat16), "x_out")
+    with pytest.raises(GraphError, match="parts and x_out come together"):
+        pk.task("gate_up_silu", **args, parts=parts, tp=2)
+    with pytest.raises(GraphError, match="tp=3 slots"):
+        pk.task("gate_up_silu", **args, parts=parts, tp=3, x_out=x_out)
+    with pytest.raises(GraphError, match="x_out has 32"):
+        pk.task("gate_up_silu", **args, parts=parts, tp=2, x_out=T(torch.zeros(32, dtype=torch.bfloat16), "short"))
+    with pytest.raises(GraphError, match="x_out and x overlap"):
+        pk.task("gate_up_silu", **args, parts=parts, tp=2, x_out=args["x"])
+    assert not pk.graph.instances
+
+
 def test_gate_up_silu_rejects():
     pk = kernel(4)
     x = pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "x")

@@ -106,10 +106,12 @@ class LlamaTPRank(LlamaModel):
     stream_slots_default = LlamaModel.stream_slots_default
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, kv: list, *, peers, device=None,
-                 nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "match", **kw):
+                 nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "match", fold_sums: bool = True,
+                 **kw):
         if kw.get("deps", "explicit") != "explicit" or kw.get("kv_refs", "partition") != "partition":
             raise GraphError("LlamaTPRank builds explicit dependencies only (deps='explicit')")
         self.full_cfg, self.rank, self.world, self.peers = cfg, peers.rank, peers.world, peers
+        self.fold_sums = bool(fold_sums)
         lc = shard_config(cfg, self.world)
         rank_attention_chunks(cfg, self.world, 1, attn_chunks)          # (refuses an unknown mode early)
         self.attn_chunks = attn_chunks if "attn_chunks" not in (tiles or {}) else "tiles"
@@ -157,11 +159,16 @@ class LlamaTPRank(LlamaModel):
             p = f"L{l}."
             a, g_mrg = self._attention(l, g_prev, g_pos, xs[l], pos, cos, sin)
             xm = T(self.xm[l], p + "xm")
-            g_o = self._all_reduce(p + "o", T(L["wo"], p + "wo"), a, xs[l], xm, [g_mrg], tl["o"])
             h = T(self.h[l], p + "h")
-            g_gu = self._task(p + "gate_up", "gate_up_silu", [g_o], h=h, w_gate=T(L["wg"], p + "wg"),
-                              w_up=T(L["wu"], p + "wu"), x=xm, norm_weight=T(L["post_norm"], p + "post_norm"),
-                              eps=eps, tiles=tl["gate_up"])
+            gate_up = dict(h=h, w_gate=T(L["wg"], p + "wg"), w_up=T(L["wu"], p + "wu"),
+                           norm_weight=T(L["post_norm"], p + "post_norm"), eps=eps, tiles=tl["gate_up"])
+            if self.fold_sums:   # o_proj's all-reduce summed in gate_up's x staging: one call and one wait fewer
+                red, g_mv, ev = self._partials(p + "o", T(L["wo"], p + "wo"), a, [g_mrg], tl["o"])
+                g_gu = self._task(p + "gate_up", "gate_up_silu", [g_mv], waits=[ev], x=xs[l], parts=red,
+                                  tp=self.world, x_out=xm, **gate_up)
+            else:
+                g_o = self._all_reduce(p + "o", T(L["wo"], p + "wo"), a, xs[l], xm, [g_mrg], tl["o"])
+                g_gu = self._task(p + "gate_up", "gate_up_silu", [g_o], x=xm, **gate_up)
             g_prev = self._all_reduce(p + "down", T(L["wd"], p + "wd"), h, xm, xs[l + 1], [g_gu], tl["down"])
         # vocab-parallel head: this rank's rows, its partials to every peer, the argmax over all of them
         n, words = self.n_parts, 2 * self.n_parts
@@ -184,27 +191,32 @@ class LlamaTPRank(LlamaModel):
     def _peers(self):
         return [q for q in range(self.world) if q != self.rank]
 
-    def _all_reduce(self, key, w, x, residual, out, after, tiles):
-        """out = residual + sum over ranks of W_rank x_rank: this rank's f32 partial into its slot of the
-        exchange buffer, the slot copied into every peer's buffer (then the peer event there), and the
-        sum, rounded to bf16 once, when every peer's slot has landed here."""
+    def _partials(self, key, w, x, after, tiles):
+        """This rank's f32 partial W_rank x_rank into its slot of the exchange buffer, and the slot copied into
+        every peer's buffer (then the peer event there). Returns (the exchange buffer, the partial's call,
+        the peer event): the sum may run once that call is done and the event counts every peer's slot."""
         d, r, T = self.cfg.d, self.rank, self.pk.tensor
         buf = self.peers.local(key)
         red = T(buf, key + ".red")
-        words = T(buf.view(torch.int32), key + ".red_w")
         ev = self.pk.peer_event(key)
         if self.world == 2:       # the GEMV pushes its rows to the one peer itself and signals it there
             q = self._peers()[0]
             dst = T(self.peers.remote(q, key), f"{key}.red@{q}")
             g_mv = self._task(key, "gemv_partial", after, y=red.ref(r * d, d), peer=dst.ref(r * d, d), w=w, x=x,
                               tiles=tiles, signals=[ev.to(q)])
-            return self._task(key + ".sum", "tp_sum_f32", [g_mv], waits=[ev], y=out, parts=red,
-                              residual=residual, tp=self.world, tiles=self.tiles["sum"])
+            return red, g_mv, ev
+        words = T(buf.view(torch.int32), key + ".red_w")
         g_mv = self._task(key, "gemv_partial", after, y=red.ref(r * d, d), w=w, x=x, tiles=tiles)
         for q in self._peers():
             dst = T(self.peers.remote(q, key).view(torch.int32), f"{key}.red@{q}")
             self._task(f"{key}.put{q}", "peer_copy", [g_mv], dst=dst.ref(r * d, d),
                        src=words.ref(r * d, d), signals=[ev.to(q)], tiles=self.tiles["put"])
+        return red, g_mv, ev
+
+    def _all_reduce(self, key, w, x, residual, out, after, tiles):
+        """out = residual + sum over ranks of W_rank x_rank: the partials (above), then the sum, rounded to bf16
+        once, when every peer's slot has landed here."""
+        red, g_mv, ev = self._partials(key, w, x, after, tiles)
         return self._task(key + ".sum", "tp_sum_f32", [g_mv], waits=[ev], y=out, parts=red, residual=residual,
                           tp=self.world, tiles=self.tiles["sum"])
 
