@@ -6,7 +6,9 @@
 Per config the weights and the KV prefix are made once; per variant (a MEGART_DEFINES-style list, or
 `default` for none) the model is built with those macros, checked once against the reference, timed
 (median us/step over --steps, CUDA events, after a warm-up) and then profiled (a second build with the
-span recorder): per call kind, the wall, busiest-worker body time and the time workers waited before it.
+span recorder): per call kind, the wall, busiest-worker body time and the time workers waited before it,
+and the body of each call's last-ending instance split at its phase marks (dense types: x staged / dots
+done; attention: K/V attended / partials stored and arrival counted; summed over layers).
 That per-call table is how the engines are compared: which calls got slower or faster, and whether the
 difference is in the body (bytes arriving) or in the wait (the producer of the input).
 """
@@ -86,9 +88,10 @@ def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Pat
 
 
 def calls_text(rec) -> str:
-    rows = [f"  {'kind':10s} {'wall':>8s} {'slowCTA':>8s} {'wait':>9s}"]
+    rows = [f"  {'kind':10s} {'wall':>8s} {'slowCTA':>8s} {'wait':>9s}   last instance: to mark0 / to mark1 / to end"]
     for c in rec.get("calls", []):
-        rows.append(f"  {c['kind']:10s} {c['wall_us']:8.1f} {c['slow_cta_us']:8.1f} {c['wait_us'] / 1:9.0f}")
+        ph = " / ".join(f"{x:6.1f}" for x in c.get("last_phases_us", ()))
+        rows.append(f"  {c['kind']:10s} {c['wall_us']:8.1f} {c['slow_cta_us']:8.1f} {c['wait_us'] / 1:9.0f}   {ph}")
     return "\n".join(rows)
 
 

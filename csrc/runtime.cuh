@@ -9,6 +9,18 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
+// Phase marks (profiled builds): a body stamps up to two points of its instance with span_mark(0) and
+// span_mark(1) (thread 0's time of reaching them); the span record keeps both, and a mark never stamped
+// reads as the body's begin. Without MEGART_PROFILE it compiles to nothing.
+#ifdef MEGART_PROFILE
+__shared__ unsigned long long s_span_mark[2];
+__device__ __forceinline__ void span_mark(int i) {
+  if (threadIdx.x == 0) s_span_mark[i] = globaltimer();
+}
+#else
+__device__ __forceinline__ void span_mark(int) {}
+#endif
+
 __device__ __forceinline__ unsigned smid() {
   unsigned r;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(r));

@@ -108,7 +108,7 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
       break;
     }
 #ifdef MEGART_PROFILE
-    if (threadIdx.x == 0) t_begin = globaltimer();
+    if (threadIdx.x == 0) t_begin = s_span_mark[0] = s_span_mark[1] = globaltimer();
 #endif
     megart_dispatch(d, smem);
     megart_drain(d, smem);

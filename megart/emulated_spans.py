@@ -54,7 +54,8 @@ def emulated_records(s, per_cta_bw: float = FLOOR_BW / SMS, dispatch_ns: float =
                 ready = max(ready, t)
         body = 0.0 if inst.type.id in registry.NO_BODY else dispatch_ns + _bytes(inst) / per_cta_bw * 1e9
         end[uid] = ready + body
-        rows.append((inst.type.id, uid, w, w, round(wait_start), round(ready), round(end[uid]), 1))
+        rows.append((inst.type.id, uid, w, w, round(wait_start), round(ready), round(end[uid]), 1,
+                     round(ready), round(ready)))   # (no phase marks in the model: both at the body's begin)
     return np.array(rows, dtype=np.int64).reshape(-1, SPAN_WORDS)
 
 

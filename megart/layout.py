@@ -79,7 +79,8 @@ def peer_wait_word(event: int) -> int:
 
 
 # --- span record: int64 words per executed instance ------------------------------------------------
-SPAN_FIELDS = ("type_id", "instance", "worker", "smid", "wait_start", "body_begin", "body_end", "step")
+SPAN_FIELDS = ("type_id", "instance", "worker", "smid", "wait_start", "body_begin", "body_end", "step",
+               "mark0", "mark1")   # mark0/1: the body's phase marks (megart::span_mark; body_begin if unmarked)
 SPAN_WORDS = len(SPAN_FIELDS)
 SPAN = {name: i for i, name in enumerate(SPAN_FIELDS)}
 

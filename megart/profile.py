@@ -36,6 +36,8 @@ WAIT_START = SPAN_COL["wait_start"]
 BODY_BEGIN = SPAN_COL["body_begin"]
 BODY_END = SPAN_COL["body_end"]
 STEP = SPAN_COL["step"]
+MARK0 = SPAN_COL["mark0"]
+MARK1 = SPAN_COL["mark1"]
 
 TaskRef = Union[str, int, np.integer]
 
@@ -83,14 +85,16 @@ def _as_records(records: np.ndarray) -> np.ndarray:
     nonsense, so impossible timestamps raise with the offending row index.
     """
     arr = np.asarray(records)
-    if arr.ndim != 2 or arr.shape[1] != SPAN_WORDS:
+    if arr.ndim != 2 or arr.shape[1] not in (SPAN_WORDS, MARK0):
         raise ValueError(
             f"span records must be a 2-D array with {SPAN_WORDS} columns "
-            f"{SPAN_FIELDS}, got shape {arr.shape}"
+            f"{SPAN_FIELDS} (or the first {MARK0}, without phase marks), got shape {arr.shape}"
         )
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"span records must be integers, got dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)
+    if arr.shape[1] == MARK0:   # records written before the phase marks: unmarked (marks at the body's begin)
+        arr = np.concatenate([arr, arr[:, [BODY_BEGIN, BODY_BEGIN]]], axis=1)
     used_idx = np.flatnonzero(arr[:, STEP] != 0)
     used = arr[used_idx]
 
@@ -110,6 +114,9 @@ def _as_records(records: np.ndarray) -> np.ndarray:
     _fail(used[:, BODY_END] < used[:, BODY_BEGIN], "body_end < body_begin")
     _fail(used[:, BODY_BEGIN] < used[:, WAIT_START], "body_begin < wait_start")
     _fail(used[:, WORKER] < 0, "a negative worker")
+    _fail((used[:, MARK0] < used[:, BODY_BEGIN]) | (used[:, MARK1] < used[:, BODY_BEGIN])
+          | (used[:, MARK0] > used[:, BODY_END]) | (used[:, MARK1] > used[:, BODY_END]),
+          "a phase mark outside its body")
     return np.ascontiguousarray(used)
 
 
@@ -219,9 +226,29 @@ class TaskStats:
                 "wait_ns": int(r[BODY_BEGIN] - r[WAIT_START]),
                 "body_ns": int(r[BODY_END] - r[BODY_BEGIN]),
                 "begin_ns": int(b),
+                "mark0_ns": int(r[MARK0] - r[BODY_BEGIN]),
+                "mark1_ns": int(r[MARK1] - r[BODY_BEGIN]),
             }
             for r, b in zip(rows, rel)
         ]
+
+    def phases(self) -> dict:
+        """The body split at its phase marks (megart::span_mark in the device code), in ns, medians over
+        steps: ``to_mark0``, ``mark0_to_mark1``, ``mark1_to_end`` of the instance that ended last in each
+        step (the one the next call waits for, ``last_*``), and each part's median over the instances
+        (``median_*``).
+        A body without marks has all of its time in ``mark1_to_end``."""
+        names = ("to_mark0", "mark0_to_mark1", "mark1_to_end")
+        last, med = [], []
+        for s in self.steps:
+            r = self._rows[self._rows[:, STEP] == s]
+            parts = np.stack([r[:, MARK0] - r[:, BODY_BEGIN], r[:, MARK1] - r[:, MARK0],
+                              r[:, BODY_END] - r[:, MARK1]], axis=1)
+            last.append(parts[int(np.argmax(r[:, BODY_END]))])
+            med.append(np.median(parts, axis=0))
+        out = {f"last_{n}": float(np.median([x[i] for x in last])) for i, n in enumerate(names)}
+        out.update({f"median_{n}": float(np.median([x[i] for x in med])) for i, n in enumerate(names)})
+        return out
 
     def achieved_bandwidth(self, bytes_per_step: float, metric: str = "wall") -> float:
         """Bytes/s moved if ``bytes_per_step`` bytes took the median ``metric``."""

@@ -36,6 +36,10 @@ __device__ __forceinline__ void span_record(const SpanSink& s, int k, int type, 
   r[kSpan_body_begin] = (long long)t_begin;
   r[kSpan_body_end] = (long long)t_end;
   r[kSpan_step] = gen;
+#ifdef MEGART_PROFILE
+  r[kSpan_mark0] = (long long)s_span_mark[0];  // (thread 0's own stamps, before the body's last barrier)
+  r[kSpan_mark1] = (long long)s_span_mark[1];
+#endif
 }
 
 }  // namespace megart

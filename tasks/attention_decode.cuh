@@ -179,6 +179,7 @@ __device__ __forceinline__ void merge_if_last(const megart_params_attention_deco
   __syncthreads();                             // every thread's partial stores are issued
   if (threadIdx.x == 0) *s_last = arrive_last(p.arrivals, p.nchunks);
   __syncthreads();
+  megart::span_mark(1);  // (profiled builds: partials stored, arrival counted)
   if (!*s_last) return;
   const int G = p.group, HD = p.hd, C = p.nchunks, n = G * HD;  // (32-bit offsets: n * C < 2^31)
   const float* ml = p.part_ml - p.cidx * G * 2;
@@ -312,6 +313,8 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
       m[g] = mn;
     }
   }
+
+  megart::span_mark(0);  // (profiled builds: K/V read and attended)
 
   // merge across warps: rounds of kAttnStageWarps warps through shared memory [w][g][HD + 2]
   constexpr int STRIDE = HD + 2;

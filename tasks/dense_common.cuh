@@ -170,6 +170,7 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
     }
   }
   __syncthreads();
+  span_mark(0);  // (profiled builds: x staged)
 }
 
 // ---- warp dot products ---------------------------------------------------------------------------
@@ -561,6 +562,7 @@ __device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, cons
 #if MEGART_STREAM_SLOTS > 0
   if constexpr (StreamOn<P>::value) {
     matvec_stream<FP8>(m.groups, m.kc, xs, red, epi);
+    span_mark(1);
     return;
   }
 #endif
@@ -568,6 +570,7 @@ __device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, cons
     matvec_ring<FP8>(m.groups, m.kc, xs, red, m.rows, epi, smem);
   else
     matvec<FP8>(m.groups, m.kc, xs, red, m.rows, epi);
+  span_mark(1);  // (profiled builds: the dots and their epilogues done, on warp 0)
 }
 
 // The body side of a type without a prewait (qkv_rope_append): weights from the launch-wide stream when
@@ -577,10 +580,12 @@ __device__ __forceinline__ void matvec_streamed(const MatvecPlan<Rows>& m, const
 #if MEGART_STREAM_SLOTS > 0
   if constexpr (StreamOn<P>::value) {
     matvec_stream<FP8>(m.groups, m.kc, xs, red, epi);
+    span_mark(1);
     return;
   }
 #endif
   matvec<FP8>(m.groups, m.kc, xs, red, m.rows, epi);
+  span_mark(1);
 }
 
 // Row pairs (2g, 2g + 1) of a row-major W with n rows of `row_bytes`.

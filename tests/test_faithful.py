@@ -178,7 +178,7 @@ def test_compare_cli_and_exit_codes(tmp_path, capsys):
 # span extraction: numeric id, only the calls under test, CTAs per step
 # ------------------------------------------------------------------------------------------------
 def span(tid, inst, worker, begin, end, step):
-    return (tid, inst, worker, worker + 10, begin - 5, begin, end, step)
+    return (tid, inst, worker, worker + 10, begin - 5, begin, end, step, begin, begin)   # (no phase marks)
 
 
 def test_task_timings_by_numeric_id_and_call():
@@ -537,7 +537,7 @@ def fake_gpu(monkeypatch):
                 active = min(len(group), self.nw)
                 bw = min(PER_CTA_BW, TOTAL_BW / active)
                 dur = int((500 + _inst_bytes(inst) / bw * 1e9 * slow) * (1 + 0.01 * rng.standard_normal()))
-                recs.append((inst.type.id, uid, w, w, t, t, t + dur, self._fake_step))
+                recs.append((inst.type.id, uid, w, w, t, t, t + dur, self._fake_step, t, t))
                 t += dur
         self._fake_recs = recs
 

@@ -198,3 +198,6 @@ def test_call_index_and_breakdown_cover_every_instance():
     assert sum(r["instances"] for r in rows) == (call_of >= 0).sum()
     assert {r["kind"] for r in rows} == {m.call_kind(lb) for lb in labels}
     assert all(r["wall_us"] > 0 for r in rows)
+    # the modelled spans stamp no phase marks: each call's last body is all in its last part
+    assert all(len(r["last_phases_us"]) == 3 and r["last_phases_us"][:2] == [0.0, 0.0] for r in rows)
+    assert sum(r["last_phases_us"][2] for r in rows) > 0

@@ -51,10 +51,15 @@ UNUSED = [
 ]
 
 
+def _marked(row) -> tuple:
+    """An 8-word row as the device writes it: both phase marks unstamped (at the body's begin)."""
+    return tuple(row) + (row[5], row[5]) if len(row) == 8 else tuple(row)
+
+
 def make_records(rows=ROWS, unused=UNUSED, seed=0) -> np.ndarray:
     """Rows in scrambled order, with unused slots interleaved, as the device
     buffer (filled by racing workers) would be."""
-    arr = np.array(list(rows) + list(unused), dtype=np.int64)
+    arr = np.array([_marked(r) for r in list(rows) + list(unused)], dtype=np.int64)
     perm = np.random.default_rng(seed).permutation(len(arr))
     return arr[perm]
 
@@ -65,14 +70,14 @@ def prof() -> Profile:
 
 
 def test_layout_constants():
-    assert SPAN_WORDS == 8 == len(SPAN_FIELDS)
+    assert SPAN_WORDS == 10 == len(SPAN_FIELDS)
     assert SPAN_FIELDS[STEP] == "step" and STEP == 7
-    assert (BODY_BEGIN, BODY_END) == (5, 6)
+    assert (BODY_BEGIN, BODY_END) == (5, 6) and SPAN_FIELDS[8:] == ("mark0", "mark1")
 
 
 def test_steps_ignore_unused_rows(prof):
     assert prof.steps == [1, 2, 3]
-    assert prof.records.shape == (len(ROWS), 8)
+    assert prof.records.shape == (len(ROWS), 10)
     assert prof.task_ids() == [GEMM, NORM]
     assert prof.nw == 3
 
@@ -149,12 +154,12 @@ def test_unnamed_id_labelled_task_id():
 def test_instances_and_per_instance(prof):
     g = prof.by_task("gemm")
     inst = g.instances
-    assert inst.shape == (9, 8) and inst.dtype == np.int64
+    assert inst.shape == (9, 10) and inst.dtype == np.int64
     assert list(inst[:, STEP]) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     step1 = g.per_instance(step=1)
     assert [d["instance"] for d in step1] == [0, 1, 2]
     assert step1[0] == {"step": 1, "instance": 0, "worker": 0, "smid": 10,
-                        "wait_ns": 100, "body_ns": 500, "begin_ns": 100}
+                        "wait_ns": 100, "body_ns": 500, "begin_ns": 100, "mark0_ns": 0, "mark1_ns": 0}
     assert [d["begin_ns"] for d in step1] == [100, 0, 650]
     assert len(g.per_instance()) == 9
     assert [d["begin_ns"] for d in g.per_instance(step=2)] == [0, 180, 30]
@@ -208,15 +213,23 @@ def test_variable_instance_count():
     np.testing.assert_array_equal(g.sum_cta_ns, [1100, 1400, 1400])
 
 
-@pytest.mark.parametrize("shape", [(8,), (4, 7), (2, 9), (2, 2, 8)])
+@pytest.mark.parametrize("shape", [(10,), (4, 9), (2, 11), (2, 2, 10)])
 def test_bad_shape(shape):
-    with pytest.raises(ValueError, match="8 columns"):
+    with pytest.raises(ValueError, match="10 columns"):
         Profile(np.zeros(shape, dtype=np.int64), NAMES)
+
+
+def test_records_without_phase_marks_read_as_unmarked():
+    """8-column records (written before the phase marks) are accepted; their marks are the body's begin."""
+    eight = make_records(ROWS)[:, :8]
+    a, b = Profile(eight, NAMES), Profile(make_records(ROWS), NAMES)
+    np.testing.assert_array_equal(a.by_task("gemm").wall_ns, b.by_task("gemm").wall_ns)
+    assert a.by_task("gemm").phases()["median_to_mark0"] == 0
 
 
 def test_float_records_rejected():
     with pytest.raises(ValueError, match="integer"):
-        Profile(np.ones((2, 8), dtype=np.float64), NAMES)
+        Profile(np.ones((2, 10), dtype=np.float64), NAMES)
 
 
 def test_corrupt_row_named():
@@ -241,7 +254,7 @@ def test_nw_checked_and_kept():
 
 
 def test_empty_profile():
-    p = Profile(np.zeros((4, 8), dtype=np.int64), NAMES)
+    p = Profile(np.zeros((4, 10), dtype=np.int64), NAMES)
     assert p.steps == [] and p.task_ids() == []
     assert "no span records" in p.table()
     with pytest.raises(ValueError, match="no spans"):
@@ -252,3 +265,26 @@ def test_metric_zero_median():
     assert Metric.of(np.array([0, 0, 0])).spread == 0.0
     m = Metric.of(np.array([0, 0, 5]))
     assert m.spread == float("inf") and m.to_dict()["spread"] is None
+
+
+def test_phases_split_the_last_and_the_median_body_at_the_marks():
+    """Two steps of three gemm instances with both marks stamped: the last-ending instance's body split at
+    mark 0 and mark 1, and each part's median over the instances (medians over steps); an unmarked body is
+    all 'mark1_to_end'."""
+    rows = []
+    for s, base in ((1, 0), (2, 10000)):
+        for inst, (begin, m0, m1, end) in enumerate([(100, 150, 400, 500), (100, 120, 300, 700), (100, 110, 200, 300)]):
+            rows.append((GEMM, inst, inst, 10 + inst, base, base + begin, base + end, s, base + m0, base + m1))
+        rows.append((NORM, 3, 0, 10, base, base + 800, base + 900, s, base + 800, base + 800))
+    p = Profile(np.array(rows, dtype=np.int64), NAMES)
+    ph = p.by_task("gemm").phases()
+    assert (ph["last_to_mark0"], ph["last_mark0_to_mark1"], ph["last_mark1_to_end"]) == (20, 180, 400)
+    assert (ph["median_to_mark0"], ph["median_mark0_to_mark1"], ph["median_mark1_to_end"]) == (20, 180, 100)
+    assert p.by_task("norm").phases()["last_mark1_to_end"] == 100
+    assert p.by_task("gemm").per_instance(1)[0]["mark1_ns"] == 300
+
+
+def test_a_phase_mark_outside_its_body_is_refused():
+    bad = _marked(ROWS[0])[:8] + (ROWS[0][6] + 1, ROWS[0][5])    # mark0 after the body's end
+    with pytest.raises(ValueError, match="phase mark outside its body"):
+        Profile(make_records(rows=[bad] + ROWS[1:]), NAMES)

@@ -32,7 +32,8 @@ ROWS = [
 
 def make_records(rows=ROWS) -> np.ndarray:
     """Scrambled rows plus unused (step 0) slots, like a real device buffer."""
-    arr = np.array(list(rows) + [(0,) * 8, (1, 9, 2, 12, 5, 999, 1, 0)], dtype=np.int64)
+    marked = [tuple(r) + (r[5], r[5]) for r in rows]   # (phase marks unstamped: at the body's begin)
+    arr = np.array(marked + [(0,) * 10, (1, 9, 2, 12, 5, 999, 1, 0, 0, 0)], dtype=np.int64)
     return arr[np.random.default_rng(1).permutation(len(arr))]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

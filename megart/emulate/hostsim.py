@@ -134,6 +134,9 @@ inline void trampoline() {
 }  // namespace hostsim
 
 inline void __syncthreads() { hostsim::arrive(hostsim::block); }
+namespace megart {
+inline void span_mark(int) {}  // (phase marks belong to the device's span records: csrc/runtime.cuh)
+}
 // A device-side misuse the simulation can see (misaligned mbarrier, a wait that would never return): the
 // first one is kept and the run reports it.
 inline const char* megart_hs_fault = nullptr;

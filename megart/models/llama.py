@@ -422,15 +422,18 @@ class LlamaModel:
         """Per call kind (qkv, attn, merge, o, gate_up, down, lm_head, ...; summed over layers), medians over
         the profiled steps, in us: `wall` (sum over the kind's calls of first body begin to last body end),
         `slow_cta` (sum over calls of the busiest worker's body time), `sum_cta` (all body time), `wait`
-        (time workers spent waiting on events before this kind's instances), and `wait_share`: that
-        wait as a fraction of all worker-time in the step (nw x step wall)."""
+        (time workers spent waiting on events before this kind's instances), `wait_share`: that
+        wait as a fraction of all worker-time in the step (nw x step wall), and `last_phases_us`: the body of
+        each call's last-ending instance split at its phase marks (to mark 0, mark 0 to mark 1, mark 1 to
+        the end; megart::span_mark in the device code), summed over the kind's calls."""
         import numpy as np
-        from ..profile import BODY_BEGIN, BODY_END, INSTANCE, STEP, WAIT_START, WORKER
+        from ..profile import BODY_BEGIN, BODY_END, INSTANCE, MARK0, MARK1, STEP, WAIT_START, WORKER
         rec = prof.records
         labels, call_of = self.call_index(int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
         kinds = list(dict.fromkeys(self.call_kind(lb) for lb in labels))
         kind_of_call = np.array([kinds.index(self.call_kind(lb)) for lb in labels])
         per_step = {k: [] for k in ("wall", "slow_cta", "sum_cta", "wait", "wait_share")}
+        phases = []
         nc, nk = len(labels), len(kinds)
         for st in prof.steps:
             r = rec[rec[:, STEP] == st]
@@ -455,6 +458,13 @@ class LlamaModel:
             acc["wait_share"] = acc["wait"] / max(1, self.nw * step_wall)
             for k in per_step:
                 per_step[k].append(acc[k])
+            order = np.lexsort((r[:, BODY_END], ci))          # by call, then end: each call's last is its last row
+            li = order[np.r_[np.flatnonzero(np.diff(ci[order])), len(order) - 1]] if len(order) else order
+            ph = np.stack([r[li, MARK0] - r[li, BODY_BEGIN], r[li, MARK1] - r[li, MARK0],
+                           r[li, BODY_END] - r[li, MARK1]], axis=1)
+            ph_k = np.zeros((nk, 3))
+            np.add.at(ph_k, kind_of_call[ci[li]], ph)
+            phases.append(ph_k)
         out = []
         for i, kind in enumerate(kinds):
             calls = [lb for lb in labels if self.call_kind(lb) == kind]
@@ -462,6 +472,8 @@ class LlamaModel:
             for k, v in per_step.items():
                 med = float(np.median([a[i] for a in v])) if v else 0.0
                 row[k if k == "wait_share" else k + "_us"] = med if k == "wait_share" else med / 1e3
+            row["last_phases_us"] = [float(np.median([a[i, j] for a in phases])) / 1e3 if phases else 0.0
+                                     for j in range(3)]
             out.append(row)
         return out
 
