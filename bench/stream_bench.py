@@ -1,13 +1,14 @@
 """The Llama decode step under several kernel macro sets (weight engines), one process, one floor.
 
-    PYTHONPATH=. python bench/stream_bench.py [--configs 1b] [--steps 200] [--json out.json]
+    PYTHONPATH=. python bench/stream_bench.py [--configs 1b] [--steps 200] [--phases] [--json out.json]
         [--variants "default;MEGART_STREAM_SLOTS=0;MEGART_STREAM_SLOTS=0,MEGART_DENSE_RING_SLOTS=3"]
 
 Per config the weights and the KV prefix are made once; per variant (a MEGART_DEFINES-style list, or
 `default` for none) the model is built with those macros, checked once against the reference, timed
 (median us/step over --steps, CUDA events, after a warm-up) and then profiled (a second build with the
-span recorder): per call kind, the wall, busiest-worker body time and the time workers waited before it,
-and the body of each call's last-ending instance split at its phase marks (dense types: x staged / dots
+span recorder): per call kind, the wall, busiest-worker body time and the time workers waited before it;
+with --phases the profiled build also stamps the phase marks (MEGART_PHASE_MARKS=1: its walls run a little
+longer) and the body of each call's last-ending instance is split at them (dense types: x staged / dots
 done; attention: K/V attended / partials stored and arrival counted; summed over layers).
 That per-call table is how the engines are compared: which calls got slower or faster, and whether the
 difference is in the body (bytes arriving) or in the wait (the producer of the input).
@@ -66,7 +67,8 @@ def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = Non
     return m.call_breakdown(prof), median(list(prof.step_walls() / 1e3))
 
 
-def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Path | None = None) -> dict:
+def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Path | None = None,
+                phases: bool = False) -> dict:
     defines, model_kw = split_variant(variant)
     timer = Timer(torch.device("cuda"))
     m = llama.LlamaModel(cfg, W, clone_kv(prefix), nw=nw, defines=defines, **model_kw)
@@ -81,17 +83,19 @@ def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Pat
     rec["x_floor"] = rec["megart_us"] / rec["floor_us"]
     del m
     if profile:
-        rec["calls"], rec["profiled_step_wall_us"] = profile_calls(cfg, W, prefix, nw, defines, spans=spans,
-                                                                        model_kw=model_kw)
+        marks = {"MEGART_PHASE_MARKS": 1} if phases else {}
+        rec["calls"], rec["profiled_step_wall_us"] = profile_calls(cfg, W, prefix, nw, {**defines, **marks},
+                                                                        spans=spans, model_kw=model_kw)
     torch.cuda.empty_cache()
     return rec
 
 
-def calls_text(rec) -> str:
-    rows = [f"  {'kind':10s} {'wall':>8s} {'slowCTA':>8s} {'wait':>9s}   last instance: to mark0 / to mark1 / to end"]
+def calls_text(rec, phases: bool = False) -> str:
+    head = "   last instance: to mark0 / to mark1 / to end" if phases else ""
+    rows = [f"  {'kind':10s} {'wall':>8s} {'slowCTA':>8s} {'wait':>9s}{head}"]
     for c in rec.get("calls", []):
-        ph = " / ".join(f"{x:6.1f}" for x in c.get("last_phases_us", ()))
-        rows.append(f"  {c['kind']:10s} {c['wall_us']:8.1f} {c['slow_cta_us']:8.1f} {c['wait_us'] / 1:9.0f}   {ph}")
+        ph = "   " + " / ".join(f"{x:6.1f}" for x in c.get("last_phases_us", ())) if phases else ""
+        rows.append(f"  {c['kind']:10s} {c['wall_us']:8.1f} {c['slow_cta_us']:8.1f} {c['wait_us'] / 1:9.0f}{ph}")
     return "\n".join(rows)
 
 
@@ -102,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--nw", type=int, default=None)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--phases", action="store_true",
+                    help="profile with the phase marks on and print each call's last instance split at them")
     ap.add_argument("--json", default=None)
     ap.add_argument("--spans", default=None, help="folder for each variant's raw span records (.npz)")
     args = ap.parse_args(argv)
@@ -123,7 +129,8 @@ def main(argv=None) -> int:
                 tag = "_".join(f"{k}-{v_}" for k, v_ in variant.items()) or "default"
                 spans = Path(args.spans) / f"{name}_{tag}.npz"
             try:
-                rec = run_variant(cfg, W, prefix, args.nw, variant, args.steps, bw, not args.no_profile, spans)
+                rec = run_variant(cfg, W, prefix, args.nw, variant, args.steps, bw, not args.no_profile, spans,
+                                  args.phases)
             except Exception as exc:   # one variant that does not build or run must not hide the others
                 rec = dict(variant=variant, error=f"{type(exc).__name__}: {exc}")
                 log(f"[{name}] {v or 'default'}: {rec['error']}")
@@ -134,7 +141,7 @@ def main(argv=None) -> int:
             log(f"[{name}] {v or 'default'}: {rec['megart_us']:.1f} us/step, {rec['x_floor']:.3f} x floor "
                 f"(floor {rec['floor_us']:.0f}), relerr {rec['relerr_first_step']:.4f}, stream slots "
                 f"{rec['stream_slots']}, {rec['registers']} regs")
-            log(calls_text(rec))
+            log(calls_text(rec, args.phases))
         del W, prefix
         torch.cuda.empty_cache()
     if args.json:

@@ -827,3 +827,25 @@ def test_prewait_and_drain_are_dispatched_for_the_ring_types_only():
         assert f"case {t.id}: megart_prewait_{name}(" in src and f"case {t.id}: megart_drain_{name}(" in src
     assert "megart_prewait_group_gemm_m1" not in src
     assert "#define MEGART_DENSE_RING_SLOTS 0" in src and "#define MEGART_DENSE_RING_OFFSET" not in src
+
+
+def test_phase_marks_compile_to_nothing_unless_asked(tmp_path):
+    """A profiled build without MEGART_PHASE_MARKS is the same machine code as one whose bodies never call
+    span_mark (the stamps would lengthen the instances a faithful number times); with it, they are in."""
+    import re
+    src = (megart.sources.source_root() / "tasks" / "dense_common.cuh").read_text()
+    assert src.count("span_mark(") >= 3
+    unmarked = tmp_path / "dense_common.cuh"
+    unmarked.write_text(re.sub(r"^\s*span_mark\(\d\);.*\n", "", src, flags=re.M))
+    cubins = {}
+    for name, kw in (("default", {}), ("unmarked", dict(source_overrides={"tasks/dense_common.cuh": str(unmarked)})),
+                     ("marks", dict(defines={"MEGART_PHASE_MARKS": 1}))):
+        pk = megart.PersistentKernel(nw=4, device="cpu", profile=True, **kw)
+        T = pk.tensor
+        pk.task("gemv_m1", y=T(torch.zeros(64, dtype=torch.bfloat16), "y"),
+                w=T(torch.zeros(64, 128, dtype=torch.bfloat16), "w"), x=T(torch.zeros(128, dtype=torch.bfloat16), "x"),
+                tiles=4)
+        cubins[name] = pk.compile().compiled.cubin
+    assert "span_mark(" not in unmarked.read_text()
+    assert cubins["default"] == cubins["unmarked"]
+    assert cubins["marks"] != cubins["default"]
