@@ -686,8 +686,8 @@ def _broken(tmp_path, old: str, new: str) -> dict:
 
 def test_hostsim_catches_a_missing_syncthreads(tmp_path):
     """Dropping the barrier after x staging makes threads read unstaged (NaN-filled) shared memory."""
-    src = _broken(tmp_path, "      xs[c] = pack8(f);\n    }\n  }\n  __syncthreads();\n}",
-                  "      xs[c] = pack8(f);\n    }\n  }\n}")
+    src = _broken(tmp_path, "      xs[c] = pack8(f);\n    }\n  }\n  __syncthreads();\n",
+                  "      xs[c] = pack8(f);\n    }\n  }\n")
     n, k = 64, 512
     w, x = geo.dense_m1(n, k, seed=1)
     pk = megart.PersistentKernel(nw=2, device="cpu", source_overrides=src)
