@@ -212,6 +212,10 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
     disjoint(task, h, "h", x, "x")
     rows = even_tiles(f, tiles)
     fold, folds = _fold(task, x, parts, tp, x_out, len(rows))
+    if fold:
+        disjoint(task, h, "h", ref(task, parts, "parts"), "parts")
+        require(not overlaps(h, ref(task, x_out, "x_out")), task,
+                "h and x_out overlap: the instances write both, h by rows and x_out by 8-element pieces")
     flags = (FLAG_NORM if g is not None else 0) | fold
     return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
                  x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps), **fd,

@@ -309,6 +309,9 @@ def test_gate_up_silu_fold_rejects():
         pk.task("gate_up_silu", **args, parts=parts, tp=2, x_out=T(torch.zeros(32, dtype=torch.bfloat16), "short"))
     with pytest.raises(GraphError, match="x_out and x overlap"):
         pk.task("gate_up_silu", **args, parts=parts, tp=2, x_out=args["x"])
+    h_wide = T(torch.zeros(k, dtype=torch.bfloat16), "h_wide")     # h over x_out's bytes (k = 64 rows)
+    with pytest.raises(GraphError, match="h and x_out overlap"):
+        pk.task("gate_up_silu", **{**args, "h": h_wide.ref(0, 16)}, parts=parts, tp=2, x_out=h_wide)
     assert not pk.graph.instances
 
 
