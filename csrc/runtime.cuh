@@ -10,8 +10,9 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 }
 
 // Phase marks (profiled builds with MEGART_PHASE_MARKS=1): a body stamps up to two points of its instance
-// with span_mark(0) and span_mark(1) (thread 0's time of reaching them); the span record keeps both, and a
-// mark never stamped reads as the body's begin. Opt-in because the stamps cost: reading the timer inside
+// with span_mark(0) and span_mark(1) (thread 0's time of reaching them); the span record keeps both. A mark
+// never stamped reads as the body's begin, and mark 1 as mark 0 when only mark 0 was stamped (a body
+// without a second phase, such as attention without the fused merge), so no phase comes out negative. Opt-in because the stamps cost: reading the timer inside
 // the body made the weight-bound calls' instances 1-2 us longer on the H200, which a faithful per-task
 // number must not carry. Otherwise span_mark compiles to nothing.
 #ifdef MEGART_PROFILE
@@ -19,7 +20,11 @@ __shared__ unsigned long long s_span_mark[2];
 #endif
 #if defined(MEGART_PROFILE) && defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS
 __device__ __forceinline__ void span_mark(int i) {
-  if (threadIdx.x == 0) s_span_mark[i] = globaltimer();
+  if (threadIdx.x == 0) {
+    const unsigned long long t = globaltimer();
+    s_span_mark[i] = t;
+    if (i == 0) s_span_mark[1] = t;
+  }
 }
 #else
 __device__ __forceinline__ void span_mark(int) {}
