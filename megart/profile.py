@@ -41,6 +41,13 @@ MARK1 = SPAN_COL["mark1"]
 
 TaskRef = Union[str, int, np.integer]
 
+
+def phase_parts(rows: np.ndarray) -> np.ndarray:
+    """(n, 3) ns per record: body begin to mark 0, mark 0 to mark 1, mark 1 to the body's end (the body split
+    at its phase marks; an unmarked body has all of its time in the last part)."""
+    return np.stack([rows[:, MARK0] - rows[:, BODY_BEGIN], rows[:, MARK1] - rows[:, MARK0],
+                     rows[:, BODY_END] - rows[:, MARK1]], axis=1)
+
 _METRICS = ("slow_cta", "wall", "sum_cta", "wait")
 
 
@@ -242,8 +249,7 @@ class TaskStats:
         last, med = [], []
         for s in self.steps:
             r = self._rows[self._rows[:, STEP] == s]
-            parts = np.stack([r[:, MARK0] - r[:, BODY_BEGIN], r[:, MARK1] - r[:, MARK0],
-                              r[:, BODY_END] - r[:, MARK1]], axis=1)
+            parts = phase_parts(r)
             last.append(parts[int(np.argmax(r[:, BODY_END]))])
             med.append(np.median(parts, axis=0))
         out = {f"last_{n}": float(np.median([x[i] for x in last])) for i, n in enumerate(names)}

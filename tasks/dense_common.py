@@ -143,12 +143,15 @@ def shape_of(task: str, value, name: str) -> tuple:
     return r.tensor.shape
 
 
-def sum_parts(x: torch.Tensor, parts: torch.Tensor, tp: int) -> torch.Tensor:
-    """bf16(x + parts[0] + ... + parts[tp-1]): the f32 slots (len(x) apart) added in rank order, one rounding
-    (tp_sum_f32's arithmetic, which a folded all-reduce stages)."""
+def sum_parts(x: torch.Tensor, parts: torch.Tensor, tp: int, stride: int | None = None) -> torch.Tensor:
+    """bf16(x + parts[0] + ... + parts[tp-1]): the ranks' slots (`stride` elements apart, default len(x))
+    added in f32 in rank order and rounded once, so every rank gets the same bits: tp_sum's and tp_sum_f32's
+    arithmetic, and what a folded all-reduce stages."""
+    n = x.numel()
+    stride = n if stride is None else stride
     acc = x.float().clone()
     for r in range(tp):
-        acc += parts[r * x.numel():(r + 1) * x.numel()].float()
+        acc += parts[r * stride:r * stride + n].float()
     return acc.to(torch.bfloat16)
 
 

@@ -174,9 +174,10 @@ register(TaskType(
 
 
 # ---- gate_up_silu / gate_up_silu_fp8 -------------------------------------------------------------
-def _fold(task: str, x, parts, tp, x_out, n_inst: int) -> tuple:
+def _fold(task: str, x, h, parts, tp, x_out, n_inst: int) -> tuple:
     """A tensor-parallel all-reduce folded into the x staging: parts (tp f32 slots of len(x)) are added to
-    x, and instance j stores its 8-aligned piece of the sum to x_out. Returns (flag, per-instance params)."""
+    x, and instance j stores its 8-aligned piece of the sum to x_out (neither may overlap x or the output h).
+    Returns (flag, per-instance params)."""
     if parts is None and x_out is None:
         return 0, [dict(parts=None, x_out=None, tp=0, x_lo=0, x_hi=0)] * n_inst
     require(parts is not None and x_out is not None, task, "parts and x_out come together (a folded all-reduce: "
@@ -190,6 +191,9 @@ def _fold(task: str, x, parts, tp, x_out, n_inst: int) -> tuple:
     for r, nm in ((pr, "parts"), (xo, "x_out")):
         disjoint(task, r, nm, x, "x")
     disjoint(task, xo, "x_out", pr, "parts")
+    disjoint(task, h, "h", pr, "parts")
+    require(not overlaps(h, xo), task, "h and x_out overlap: the instances write both, h by rows and x_out by "
+            "8-element pieces")
     pieces = even_tiles(k, n_inst, align=8)
     pieces += [(0, 0)] * (n_inst - len(pieces))      # (more instances than 8-element pieces: some store none)
     return FLAG_PARTS, [dict(parts=pr, x_out=sub(xo, lo, hi - lo) if hi > lo else None, tp=tp, x_lo=lo, x_hi=hi)
@@ -211,11 +215,7 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
         require(r.count == f, task, f"{nm} has {r.count} elements, h has {f} (one scale per row)")
     disjoint(task, h, "h", x, "x")
     rows = even_tiles(f, tiles)
-    fold, folds = _fold(task, x, parts, tp, x_out, len(rows))
-    if fold:
-        disjoint(task, h, "h", ref(task, parts, "parts"), "parts")
-        require(not overlaps(h, ref(task, x_out, "x_out")), task,
-                "h and x_out overlap: the instances write both, h by rows and x_out by 8-element pieces")
+    fold, folds = _fold(task, x, h, parts, tp, x_out, len(rows))
     flags = (FLAG_NORM if g is not None else 0) | fold
     return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
                  x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps), **fd,

@@ -16,7 +16,7 @@ import torch
 
 from ..registry import Cost, TaskType, ptr, register, scalar
 from ..tensors import as_ref
-from .dense_common import HEADERS, SCRATCH_BYTES, source
+from .dense_common import HEADERS, SCRATCH_BYTES, source, sum_parts
 from .dense_matvec import RING, _gemv_cost, _gemv_split
 from .tiling import even_tiles, require
 
@@ -67,10 +67,8 @@ def _sum_split(nw, tiles=1, y=None, parts=None, residual=None, tp=2):
 
 
 def _sum_ref(p) -> None:
-    acc = p.residual.float() if p.flags & 1 else torch.zeros(p.n, dtype=torch.float32)
-    for r in range(p.tp):           # rank order, as the device: every rank computes the same bits
-        acc = acc + p.parts[r * p.stride: r * p.stride + p.n].float()
-    p.y.copy_(acc.to(torch.bfloat16))
+    base = p.residual if p.flags & 1 else torch.zeros(p.n, dtype=torch.bfloat16)
+    p.y.copy_(sum_parts(base, p.parts, p.tp, p.stride))
 
 
 def _sum_params(parts_dtype: str) -> tuple:

@@ -427,7 +427,7 @@ class LlamaModel:
         each call's last-ending instance split at its phase marks (to mark 0, mark 0 to mark 1, mark 1 to
         the end; megart::span_mark in the device code), summed over the kind's calls."""
         import numpy as np
-        from ..profile import BODY_BEGIN, BODY_END, INSTANCE, MARK0, MARK1, STEP, WAIT_START, WORKER
+        from ..profile import BODY_BEGIN, BODY_END, INSTANCE, STEP, WAIT_START, WORKER, phase_parts
         rec = prof.records
         labels, call_of = self.call_index(int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
         kinds = list(dict.fromkeys(self.call_kind(lb) for lb in labels))
@@ -460,10 +460,8 @@ class LlamaModel:
                 per_step[k].append(acc[k])
             order = np.lexsort((r[:, BODY_END], ci))          # by call, then end: each call's last is its last row
             li = order[np.r_[np.flatnonzero(np.diff(ci[order])), len(order) - 1]] if len(order) else order
-            ph = np.stack([r[li, MARK0] - r[li, BODY_BEGIN], r[li, MARK1] - r[li, MARK0],
-                           r[li, BODY_END] - r[li, MARK1]], axis=1)
             ph_k = np.zeros((nk, 3))
-            np.add.at(ph_k, kind_of_call[ci[li]], ph)
+            np.add.at(ph_k, kind_of_call[ci[li]], phase_parts(r[li]))
             phases.append(ph_k)
         out = []
         for i, kind in enumerate(kinds):
