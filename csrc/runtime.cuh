@@ -17,6 +17,7 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 // number must not carry. Otherwise span_mark compiles to nothing.
 #ifdef MEGART_PROFILE
 __shared__ unsigned long long s_span_mark[2];
+__shared__ unsigned long long s_span_t[2];  // the instance's wait start and body begin (thread 0, worker loop)
 #endif
 #if defined(MEGART_PROFILE) && defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS
 __device__ __forceinline__ void span_mark(int i) {

@@ -43,6 +43,14 @@ __device__ __forceinline__ void signal_all(const TaskDesc& d, unsigned* events, 
   (void)ctrl;
 }
 
+// One 8-byte descriptor word, global -> shared, asynchronously (cp.async: the copy joins whatever group a body
+// commits next, which only makes that group wait a little longer); copy_desc_wait() before it is read.
+__device__ __forceinline__ void copy_desc_word(unsigned long long* dst, const unsigned long long* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void copy_desc_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 __device__ __forceinline__ void stage_words(TaskDesc& dst, const TaskDesc& src) {
   for (int k = threadIdx.x; k < kDescWords; k += MEGART_THREADS)
     reinterpret_cast<unsigned long long*>(&dst)[k] = reinterpret_cast<const unsigned long long*>(&src)[k];
@@ -56,7 +64,13 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
   __shared__ long long s_gen;
   __shared__ int s_go;
   __shared__ TaskDesc s_desc[3];
-  if (threadIdx.x == 0) s_gen = ld_relaxed(ctrl + kCtrl_step) + 1;
+  if (threadIdx.x == 0) {
+    s_gen = ld_relaxed(ctrl + kCtrl_step) + 1;
+    s_poll.ctrl = ctrl;  // (polled reads of tagged words: csrc/tagged.cuh)
+    s_poll.watchdog_ns = watchdog_ns;
+    s_poll.worker = w;
+    s_poll.tag = step_tag_bits(s_gen);
+  }
   if (q0 < q1) stage_words(s_desc[0], descs[q0]);
   if (q0 + 1 < q1) stage_words(s_desc[1], descs[q0 + 1]);
   __syncthreads();
@@ -70,21 +84,26 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
   for (int i = q0; i < q1; ++i) {
     const int nxt = cur == 2 ? 0 : cur + 1, nxt2 = nxt == 2 ? 0 : nxt + 1;
     const TaskDesc& d = s_desc[cur];
-    unsigned long long ahead = 0;  // this thread's word of descriptor i+2, landing while the body runs
+    // this thread's word of descriptor i+2 lands in its free slot while the body runs: an asynchronous copy,
+    // so no register holds it across the body (a held word was spilled around the bodies at the register cap)
     if (threadIdx.x < kDescWords && i + 2 < q1)
-      ahead = reinterpret_cast<const unsigned long long*>(descs + i + 2)[threadIdx.x];
+      copy_desc_word(reinterpret_cast<unsigned long long*>(&s_desc[nxt2]) + threadIdx.x,
+                     reinterpret_cast<const unsigned long long*>(descs + i + 2) + threadIdx.x);
     if (i + 1 < q1) megart_prefetch(s_desc[nxt]);
     megart_prewait(d, smem);  // loads that need no input (weights into shared memory) start before the wait
-    unsigned long long t_wait = 0, t_begin = 0;
     if (threadIdx.x == 0) {
 #ifdef MEGART_PROFILE
-      t_wait = globaltimer();
+      s_span_t[0] = globaltimer();  // (wait start and body begin sit in shared memory, not in registers held
+      //                               across the body: at the register cap they were spilled around it)
 #endif
       if (d.hdr[kHdr_flags] & kFlagSignalFirst) signal_all(d, events, ctrl);
       const WaitSite site{w, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance]};
 #if MEGART_STREAM_SLOTS > 0
       stream_note(site.queue_pos, site.type, site.instance);
 #endif
+      s_poll.queue_pos = site.queue_pos;
+      s_poll.type = site.type;
+      s_poll.instance = site.instance;
       int go = 1;
       for (int k = 0; k < d.hdr[kHdr_n_wait] && go; ++k) {
         const unsigned need = (unsigned)((long long)d.hdr[kHdr_wait_count + k] * gen);
@@ -104,15 +123,16 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
     __syncthreads();
     if (!s_go) {
       megart_drain(d, smem);  // no copy may still be landing in shared memory when the CTA exits
+      copy_desc_wait();
       ok = false;
       break;
     }
 #ifdef MEGART_PROFILE
-    if (threadIdx.x == 0) t_begin = s_span_mark[0] = s_span_mark[1] = globaltimer();
+    if (threadIdx.x == 0) s_span_t[1] = s_span_mark[0] = s_span_mark[1] = globaltimer();
 #endif
     megart_dispatch(d, smem);
     megart_drain(d, smem);
-    if (threadIdx.x < kDescWords && i + 2 < q1) reinterpret_cast<unsigned long long*>(&s_desc[nxt2])[threadIdx.x] = ahead;
+    copy_desc_wait();
     __syncthreads();
     if (threadIdx.x == 0) {
 #ifdef MEGART_PROFILE
@@ -120,11 +140,9 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
 #endif
       if (!(d.hdr[kHdr_flags] & kFlagSignalFirst)) signal_all(d, events, ctrl);
 #ifdef MEGART_PROFILE
-      span_record(sink, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance], w, t_wait, t_begin, t_end, gen);
+      span_record(sink, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance], w, s_span_t[0], s_span_t[1], t_end, gen);
 #endif
     }
-    (void)t_wait;
-    (void)t_begin;
     cur = nxt;
   }
 #if MEGART_STREAM_SLOTS > 0

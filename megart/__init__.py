@@ -27,6 +27,7 @@ from .errors import (CompileError, ConfigError, DeviceError, GraphError, HangErr
                      MegartError, RegistryError, ResidencyError, ScheduleError)
 from .kernel import PersistentKernel  # noqa: E402
 from .registry import Cost, Param, TaskType, ptr, register_task, scalar  # noqa: E402
+from . import tagged  # noqa: E402,F401  (megart.tagged: tagged tensors' words)
 
 __all__ = ["PersistentKernel", "register_task", "TaskType", "Param", "ptr", "scalar", "Cost", "MegartError",
            "GraphError", "ConfigError", "InputError", "RegistryError", "ScheduleError", "CompileError",

@@ -40,6 +40,20 @@ class AccessMap:
         deps.discard(uid)
         return deps
 
+    def writers(self, lo: int, hi: int) -> tuple[set, bool]:
+        """The last writers of bytes [lo, hi), and whether some byte there has none (nothing recorded)."""
+        found, at = set(), lo
+        for k in range(max(0, bisect_right(self.lo, lo) - 1), len(self.lo)):
+            if self.lo[k] >= hi:
+                break
+            if self.hi[k] <= lo:
+                continue
+            if self.lo[k] > at or self.writer[k] == NO_WRITER:
+                return found, True
+            found.add(self.writer[k])
+            at = self.hi[k]
+        return found, at < hi
+
     # --- segment surgery ---------------------------------------------------------------------------
     def _split_at(self, x: int) -> None:
         """Make x a segment boundary if it falls strictly inside a segment."""

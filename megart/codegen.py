@@ -130,7 +130,7 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
     w.add(text, str(path))
     if streamed:   # the producer warp never joins the compute threads' barriers (csrc/weight_stream.cuh)
         w.add("#define __syncthreads() megart::cta_sync()")
-    for rel in ("csrc/tile_helpers.cuh", "csrc/weight_stream.cuh"):
+    for rel in ("csrc/tile_helpers.cuh", "csrc/weight_stream.cuh", "csrc/tagged.cuh"):
         text, path = read_source(rel, root)
         w.add(text, str(path))
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared task headers, once each

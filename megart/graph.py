@@ -3,6 +3,7 @@ and the data dependencies inferred from which byte ranges each instance reads an
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import operator
 
@@ -47,6 +48,8 @@ class Instance:
     epoch: int                     # grid barriers passed before this instance
     worker: int | None = None      # pinned worker, if the caller asked
     deps: set = field(default_factory=set)      # uids this instance must run after (data or `after=`)
+    polled: set = field(default_factory=set)    # writers of the tagged words it polls: it runs after their
+    #                                             writes but is ordered after nothing else of theirs (no wait)
     waits: list = field(default_factory=list)   # explicit user Events
     signals: list = field(default_factory=list)
     inferred: bool = True          # its dependencies came from byte-range inference (not infer=False)
@@ -87,14 +90,17 @@ class Graph:
         self._accesses: dict = {}   # storage key -> AccessMap, for the current barrier epoch
         self._accesses_epoch = 0
         self._weight_storages: dict = {}    # storage key -> a tensor name, for the weight/write check
+        self._tagged_writes: dict = {}      # storage key -> AccessMap of tagged words' writers, the whole step
         self._written_storages: dict = {}
 
     # --- building ---------------------------------------------------------------------------
-    def tensor(self, obj, name: str | None = None) -> Tensor:
+    def tensor(self, obj, name: str | None = None, tagged: bool = False) -> Tensor:
+        """Add an array the tasks may read or write; tagged=True: int32 words of bf16 values with step tags,
+        read by polling (megart/tagged.py)."""
         name = name or f"t{len(self.tensors)}"
         if name in self.tensors:
             raise GraphError(f"a tensor named {name!r} already exists")
-        t = Tensor(obj, name, self.device)
+        t = Tensor(obj, name, self.device, tagged=tagged)
         self.tensors[name] = t
         return t
 
@@ -164,12 +170,14 @@ class Graph:
                 raise GraphError(f"{ttype.name}: after= takes groups returned by this kernel's task()/barrier(); "
                                  f"{_group_name(other)} is not one")
             after_uids.update(other.uids)
+        self._check_tagged(ttype, per_instance)
         for params, w in zip(per_instance, workers):
             inst = Instance(len(self.instances), g.index, ttype, params, self.epoch, worker=w,
                             waits=list(waits), signals=list(signals), inferred=infer)
             inst.deps |= {u for u in after_uids if self.instances[u].epoch == self.epoch}
             if infer:
                 inst.deps |= self._infer(inst)
+            inst.polled = self._tagged(inst.type, inst.params, inst.uid, self._tagged_writes)
             self.instances.append(inst)
             g.uids.append(inst.uid)
         self.groups.append(g)
@@ -218,7 +226,10 @@ class Graph:
                 out[p.name] = None        # absent optional operand: a null pointer, nothing to depend on
             elif p.kind == "ptr":
                 ref = as_ref(v, p.name)
-                if ref.tensor.dtype != p.dtype:
+                if ref.tensor.tagged and not p.tagged:
+                    raise GraphError(f"{ttype.name}: tensor {ref.tensor.name!r} is tagged (bf16 values with step "
+                                     f"tags), and parameter {p.name!r} does not take tagged words")
+                if ref.tensor.dtype != p.dtype and not (ref.tensor.tagged and p.tagged):
                     raise GraphError(f"{ttype.name}: parameter {p.name!r} needs {p.dtype}, "
                                      f"tensor {ref.tensor.name!r} is {ref.tensor.dtype}")
                 if self.tensors.get(ref.tensor.name) is not ref.tensor:
@@ -273,13 +284,58 @@ class Graph:
         deps = set()
         for p in inst.type.params:
             ref = inst.params[p.name]
-            if p.kind != "ptr" or ref is None:
+            if p.kind != "ptr" or ref is None or ref.tensor.tagged:   # (tagged words: _tagged)
                 continue
             lo, hi = ref.byte_range
             bucket = self._accesses.setdefault(ref.tensor.storage_key, AccessMap())
             deps |= bucket.access(lo, hi, inst.uid, p.reads, p.writes)
         deps.discard(inst.uid)
         return deps
+
+    def _check_tagged(self, ttype: TaskType, per_instance: list) -> None:
+        """_tagged's rules for a whole call before any instance of it is added (on copies of the maps it
+        touches), so a refused call leaves the graph as it was."""
+        keys = {params[p.name].tensor.storage_key for params in per_instance for p in ttype.params
+                if p.kind == "ptr" and params[p.name] is not None and params[p.name].tensor.tagged}
+        if keys:
+            scratch = {k: copy.deepcopy(self._tagged_writes.get(k, AccessMap())) for k in keys}
+            for i, params in enumerate(per_instance):
+                self._tagged(ttype, params, len(self.instances) + i, scratch)
+
+    def _tagged(self, ttype: TaskType, params: dict, uid: int, maps: dict) -> set:
+        """Tagged words: each byte is written by at most one instance per step (a poll cannot tell two writes
+        apart), and a polled read comes after the write of every byte it reads (else it would spin until the
+        watchdog). Records the writes in `maps` (storage key -> AccessMap) and returns the writers instance
+        `uid` polls; whatever else orders them, it is not a wait."""
+        polled = set()
+        for p in ttype.params:
+            ref = params[p.name]
+            if p.kind != "ptr" or ref is None or not ref.tensor.tagged:
+                continue
+            lo, hi = ref.byte_range
+            t = ref.tensor
+            words = maps.setdefault(t.storage_key, AccessMap())
+            writers, gap = words.writers(lo, hi)
+            where = f"{ttype.name}: {p.name!r} (tagged tensor {t.name!r}, elements " \
+                    f"[{ref.offset}, {ref.offset + ref.count}))"
+            if p.writes:
+                if writers:
+                    first = min(writers)
+                    by = self.instances[first].label() if first < len(self.instances) else "this same call"
+                    raise GraphError(f"{where} is written twice in one step (also by {by}): tagged words take one "
+                                     "write per step, since a reader polling them cannot tell the two apart")
+                words.access(lo, hi, uid, False, True)
+            else:
+                if gap:
+                    raise GraphError(f"{where} is read by polling, but no earlier task of this step writes all of "
+                                     "those words: the read would spin until the watchdog")
+                polled |= writers
+        polled.discard(uid)
+        return polled
+
+    def tagged_tensors(self) -> list:
+        """The tagged tensors of the graph (the runtime zeroes them after an abort: stale tags must not match)."""
+        return [t for t in self.tensors.values() if t.tagged]
 
     def sync_tensors(self) -> list:
         """The tensors some instance updates through a "sync" parameter (arrival counters), each once."""
@@ -292,11 +348,14 @@ class Graph:
         return list(seen.values())
 
     def host_views(self, inst: Instance, host: dict) -> SimpleNamespace:
-        """The instance's parameters as CPU torch views into `host` (tensor name -> flat tensor)."""
+        """The instance's parameters as CPU torch views into `host` (tensor name -> flat tensor); a tagged
+        tensor's as the view of its bf16 values (the references neither read nor write tags)."""
+        from .tagged import values
         ns = {}
         for name, v in inst.params.items():
             if isinstance(v, TensorRef):
-                ns[name] = host[v.tensor.name].view(-1)[v.offset:v.offset + v.count]
+                flat = host[v.tensor.name].view(-1)[v.offset:v.offset + v.count]
+                ns[name] = values(flat) if v.tensor.tagged else flat
             else:
                 ns[name] = v
         return SimpleNamespace(**ns)

@@ -86,8 +86,9 @@ class PersistentKernel:
             raise GraphError("the kernel is compiled; build a new PersistentKernel to change the graph")
         return self.graph
 
-    def tensor(self, obj, name: str | None = None):
-        return self._building().tensor(obj, name)
+    def tensor(self, obj, name: str | None = None, tagged: bool = False):
+        """Add an array the tasks may read or write (tagged=True: see megart/tagged.py)."""
+        return self._building().tensor(obj, name, tagged)
 
     def event(self, name: str | None = None):
         return self._building().event(name)

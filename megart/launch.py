@@ -85,6 +85,8 @@ class DeviceRuntime:
                               f"{len(schedule.events)} int32")
         self.events = events
         self.sync_words = [t.data for t in schedule.graph.sync_tensors()]
+        # tagged words an aborted step wrote: the next launch runs step 1 again, whose tag they may carry
+        self.sync_words += [t.data for t in schedule.graph.tagged_tensors()]
         self.peer_bases = tuple(int(b) for b in peer_bases)
         self.ctrl = torch.zeros(CTRL_WORDS + len(self.peer_bases), dtype=torch.int64, device=device)
         self._set_peer_bases()
@@ -145,7 +147,7 @@ class DeviceRuntime:
         """Counters are left mid-step by an abort; start again from step 0 (a recovery path, not per step)."""
         torch.cuda.synchronize(self.device)
         self.events.zero_()
-        for t in self.sync_words:       # arrival counters an abort may have left mid-count
+        for t in self.sync_words:       # arrival counters an abort may have left mid-count, and tagged words
             t.zero_()
         keep = {k: int(self.ctrl[CTRL[k]]) for k in ("span_base", "span_cap")}
         self.ctrl.zero_()

@@ -41,6 +41,20 @@ def header_offsets() -> dict[str, int]:
 # descriptor flags
 FLAG_SIGNAL_FIRST = 1  # signal before waiting (grid barrier arrival)
 
+# --- tagged words (megart/tagged.py): a bf16 value in the low 16 bits, the step's tag in the high 16 ---------
+# A reader polls until every word it needs carries this step's tag, so it needs no event wait. The tag of
+# step g (the launch's generation, from 1) is TAG_MARK | (g & TAG_MASK): consecutive steps differ, and a
+# zeroed word (a fresh buffer, or one reset after an abort) never matches.
+TAG_MARK = 0x8000
+TAG_MASK = 0x7FFF
+HANG_POLL = -2001      # hang record event of a polled read that never saw its tag (have/need: the tags)
+
+
+def step_tag(gen: int) -> int:
+    """The 16-bit tag the words written in step `gen` carry."""
+    return TAG_MARK | (int(gen) & TAG_MASK)
+
+
 # --- control block: int64 words the kernel and host share ------------------------------------------
 CTRL_FIELDS = (
     "step",          # last completed step (generation); a launch runs step+1
@@ -100,6 +114,9 @@ def layout_header() -> str:
         f"constexpr int kSpanWords = {SPAN_WORDS};",
         f"constexpr int kCtrlWords = {CTRL_WORDS};",
         f"constexpr int kPeerRankShift = {PEER_RANK_SHIFT};",
+        f"constexpr unsigned kTagMark = {TAG_MARK:#x}u;",
+        f"constexpr unsigned kTagMask = {TAG_MASK:#x}u;",
+        f"constexpr int kHangPoll = {HANG_POLL};",
     ]
     for name, idx in header_offsets().items():
         lines.append(f"constexpr int kHdr_{name} = {idx};")

@@ -60,6 +60,9 @@ class Param:
     dtype: str | None = None  # element dtype of a pointer
     access: str | None = None  # "in" | "weight" | "out" | "inout" | "sync" for pointers
     optional: bool = False     # a pointer the splitter may leave None: packed as nullptr, no dependency
+    tagged: bool = False       # a bf16 pointer that also takes a tagged tensor (megart/tagged.py): an "in" read
+    #                            of one is polled (no event wait), an "out" write stores tagged words. The body
+    #                            learns which from its own flags (the splitter sets them from the tensor)
 
     @property
     def reads(self) -> bool:
@@ -87,8 +90,8 @@ class Param:
         return f"{ctype} {self.name}; int _pad_{self.name};"
 
 
-def ptr(name: str, dtype: str, access: str = "in", optional: bool = False) -> Param:
-    return Param(name, "ptr", dtype, access, optional)
+def ptr(name: str, dtype: str, access: str = "in", optional: bool = False, tagged: bool = False) -> Param:
+    return Param(name, "ptr", dtype, access, optional, tagged)
 
 
 def scalar(name: str, kind: str = "i32") -> Param:
@@ -199,6 +202,9 @@ def _validate(t: TaskType, builtin: bool) -> None:
                 raise RegistryError(f"task {t.name!r} parameter {p.name!r}: unknown dtype {p.dtype!r}")
             if p.access not in ACCESS:
                 raise RegistryError(f"task {t.name!r} parameter {p.name!r}: access must be one of {ACCESS}")
+            if p.tagged and (p.dtype != "bf16" or p.access not in ("in", "out")):
+                raise RegistryError(f"task {t.name!r} parameter {p.name!r}: tagged=True needs a bf16 'in' or 'out' "
+                                    f"pointer (a polled read or a tagged write), got {p.dtype} {p.access!r}")
         elif p.kind not in SCALAR_KINDS:
             raise RegistryError(f"task {t.name!r} parameter {p.name!r}: kind must be ptr or one of {sorted(SCALAR_KINDS)}")
     if not callable(t.reference):

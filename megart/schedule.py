@@ -6,7 +6,8 @@ calls spread over the grid instead of piling onto worker 0. Grid barriers put on
 queue. Each dependency becomes a wait on an event counter: a whole producer call is one event
 (count = its instances); a consumer that needs only some instances of a call waits on an event
 signalled by exactly those instances, so it can start before the rest of the call lands. A dependency on
-an earlier instance of the same queue needs no wait at all.
+an earlier instance of the same queue needs no wait at all. A read of tagged words (megart/tagged.py) is
+polled by the body itself: it makes no wait, and its writers signal nothing for it.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class Schedule:
     peer_signals: dict = field(default_factory=dict)   # uid -> [(peer event id, rank), ...]
     rank: int = 0
     world: int = 1
+    polls: dict = field(default_factory=dict)          # uid -> writers of the tagged words it polls
 
     def flags(self, uid: int) -> int:
         return FLAG_SIGNAL_FIRST if self.instances[uid].is_barrier else 0
@@ -195,5 +197,6 @@ def build(graph: Graph) -> Schedule:
     pos_of = {uid: i for q in queues for i, uid in enumerate(q)}
     signals = {inst.uid: signals.get(inst.uid, []) for inst in insts}
     peer_signals = {uid: v for uid, v in peer_signals.items() if v}
+    polls = {inst.uid: sorted(inst.polled) for inst in graph.instances if inst.polled}
     return Schedule(graph.nw, graph, insts, queues, waits, signals, events, worker_of, pos_of, peer_signals,
-                    graph.rank, graph.world)
+                    graph.rank, graph.world, polls)

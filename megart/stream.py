@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .config import KernelConfig, caller_macros, stream_requested
 from .errors import GraphError
+from .layout import HANG_POLL
 from .registry import USER_ID_BASE
 
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
@@ -174,6 +175,9 @@ def hang_site(event: int) -> str:
     """What a negative event of a hang record names, or '?'."""
     if HANG_SLOT_FREE - 64 < event <= HANG_SLOT_FREE:
         return f"weight-stream ring slot {HANG_SLOT_FREE - event} (never freed; have = the warp's stage, need = warp)"
+    if event == HANG_POLL:
+        return ("tagged words polled by the body (never written with this step's tag; have = the tag seen, "
+                "need = this step's)")
     if -64 <= event <= -1:
         return f"weight-stream ring slot {-1 - event} (stage never landed; have = the warp's stage, need = warp)"
     return "?"

@@ -18,8 +18,12 @@ DTYPES: dict[str, tuple[torch.dtype, str, int]] = {
     "i32": (torch.int32, "int", 4),
     "i64": (torch.int64, "long long", 8),
     "u8": (torch.uint8, "unsigned char", 1),
+    # tagged words (megart/tagged.py): int32 storage, each word a bf16 value and its step's tag; chosen with
+    # tensor(..., tagged=True), never from the torch dtype alone
+    "tagged_bf16": (torch.int32, "unsigned", 4),
 }
-_BY_TORCH = {v[0]: k for k, v in DTYPES.items()}
+TAGGED = "tagged_bf16"
+_BY_TORCH = {v[0]: k for k, v in DTYPES.items() if k != TAGGED}
 
 
 def dtype_name(t: torch.dtype) -> str:
@@ -45,7 +49,7 @@ def _to_torch(obj, name: str) -> torch.Tensor:
 class Tensor:
     """A device (or, for emulation-only kernels, host) array a task may read or write."""
 
-    def __init__(self, obj, name: str, device: torch.device):
+    def __init__(self, obj, name: str, device: torch.device, tagged: bool = False):
         data = _to_torch(obj, name)
         if data.device.type != device.type or (device.type == "cuda" and data.device.index != device.index):
             raise GraphError(f"tensor {name!r} is on {data.device}, but this kernel runs on {device}")
@@ -58,6 +62,11 @@ class Tensor:
         self.data = data            # keeps the memory (and any foreign owner) alive
         self.origin = obj
         self.dtype = dtype_name(data.dtype)
+        if tagged:
+            if data.dtype != torch.int32:
+                raise GraphError(f"tensor {name!r}: a tagged tensor holds 32-bit words (torch.int32, one per bf16 "
+                                 f"value: megart.tagged.empty(n)), got {data.dtype}")
+            self.dtype = TAGGED
         self.shape = tuple(data.shape)
         self.numel = data.numel()
         self.itemsize = DTYPES[self.dtype][2]
@@ -73,6 +82,11 @@ class Tensor:
             raise GraphError(f"slice [{offset}, {offset + count}) is outside tensor {self.name!r} "
                              f"of {self.numel} elements")
         return TensorRef(self, offset, count)
+
+    @property
+    def tagged(self) -> bool:
+        """Its words carry a step tag beside each bf16 value (read by polling, megart/tagged.py)."""
+        return self.dtype == TAGGED
 
     def __repr__(self):
         return f"Tensor({self.name!r}, {self.dtype}, {self.shape})"

@@ -27,7 +27,8 @@ def simulate_ranks(ranks: list, execute=None, rng: random.Random | None = None, 
     need = [[e.count for e in s.events] for s in ranks]
     head = {(r, w): 0 for r, s in enumerate(ranks) for w in range(s.nw)}
     arrived = set()                      # signal-first instances that already signalled
-    blocked_on = defaultdict(list)       # (rank, event) -> workers parked on it
+    blocked_on = defaultdict(list)       # (rank, event) -> workers parked on it; (rank, "ran", uid) likewise
+    ran = set()                          # (rank, uid) executed: a polled read needs its writers' words
     runnable = [(r, w) for r, s in enumerate(ranks) for w in range(s.nw) if s.queues[w]]
     order = []
 
@@ -59,9 +60,15 @@ def simulate_ranks(ranks: list, execute=None, rng: random.Random | None = None, 
         if missing is not None:
             blocked_on[(r, missing)].append((r, w))
             continue
+        unwritten = next((u for u in s.polls.get(uid, ()) if (r, u) not in ran), None)
+        if unwritten is not None:          # the body would spin on words not yet written
+            blocked_on[(r, "ran", unwritten)].append((r, w))
+            continue
         if execute is not None:
             execute(r, uid)
         order.append((r, uid))
+        ran.add((r, uid))
+        runnable.extend(blocked_on.pop((r, "ran", uid), ()))
         if not s.flags(uid):
             signal(r, uid)
         head[(r, w)] += 1
@@ -73,13 +80,21 @@ def simulate_ranks(ranks: list, execute=None, rng: random.Random | None = None, 
         s = ranks[r]
         if h < len(s.queues[w]):
             uid = s.queues[w][h]
-            e = next(e for e in s.waits[uid] if have[r][e] < need[r][e])
+            e = next((e for e in s.waits[uid] if have[r][e] < need[r][e]), None)
+            if e is None:                    # spinning on tagged words whose writer never runs
+                u = next(u for u in s.polls[uid] if (r, u) not in ran)
+                stuck.append(dict(rank=r, worker=w, position=h, task=s.instances[uid].type.name, instance=uid,
+                                  event=None, event_name=f"tagged words of {s.instances[u].label()}", have=0,
+                                  need=1, polls=u))
+                continue
             stuck.append(dict(rank=r, worker=w, position=h, task=s.instances[uid].type.name, instance=uid,
                               event=e, event_name=s.events[e].name, have=have[r][e], need=need[r][e]))
     if stuck:
         where = (lambda d: f"rank {d['rank']} ") if len(ranks) > 1 else (lambda d: "")
-        lines = [f"  {where(d)}worker {d['worker']} position {d['position']}: {d['task']}#{d['instance']} waits on "
-                 f"event {d['event']} {d['event_name']!r} (has {d['have']} of {d['need']} signals)" for d in stuck[:8]]
+        lines = [f"  {where(d)}worker {d['worker']} position {d['position']}: {d['task']}#{d['instance']} " + (
+                 f"waits on event {d['event']} {d['event_name']!r} (has {d['have']} of {d['need']} signals)"
+                 if d["event"] is not None else f"polls the {d['event_name']}, which never run")
+                 for d in stuck[:8]]
         more = f"\n  ... and {len(stuck) - 8} more" if len(stuck) > 8 else ""
         raise ScheduleError(f"deadlock: {len(stuck)} worker queue(s) can never finish:\n" + "\n".join(lines) + more,
                             stuck=stuck)

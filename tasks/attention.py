@@ -38,6 +38,7 @@ QKV_MAX_ROWS = max(ATTN_HD)  # rows of one qkv_rope_append instance (2 * half; h
 ATTN_STAGE_WARPS = 8      # warps attention_decode merges per shared-memory round
 LOW_REG_THREADS = 512     # threads x CTAs per SM from which the bodies budget <= 128 registers (kLowRegs)
 MODE_ROPE, MODE_NORM, MODE_CACHE, MODE_HEAD_NORM = 1, 2, 4, 8
+MODE_TAGGED_X = 16    # qkv_rope_append's x is a tagged tensor (megart/tagged.py): polled as it is staged
 # qkv_rope_append runs on the dense matvec engine: its block scratch, x staged whole (bf16), then the
 # instance's 2 * npairs fp32 dots
 SMEM_QKV = DENSE_SCRATCH + 2 * QKV_MAX_D + 4 * QKV_MAX_ROWS
@@ -46,6 +47,7 @@ ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
 # declared here, emitted into the kernel as megart_attn::k* before tasks/attention_common.cuh
 header_constants(ATTENTION_HEADERS[0], "megart_attn", {
     "kModeRope": MODE_ROPE, "kModeNorm": MODE_NORM, "kModeCache": MODE_CACHE, "kModeHeadNorm": MODE_HEAD_NORM,
+    "kModeTaggedX": MODE_TAGGED_X,
     "kQkvMaxD": QKV_MAX_D, "kQkvMaxRows": QKV_MAX_ROWS, "kAttnStageWarps": ATTN_STAGE_WARPS,
     "kLowRegThreads": LOW_REG_THREADS})
 ATTN_RING = 64 * 1024                       # attention_decode's K/V ring (MEGART_ATTN_RING_BYTES), any thread count
@@ -117,6 +119,8 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
         require(nr.count == d, T, f"norm_weight has {nr.count} elements, x has {d}")
         _aligned16(nr, "norm_weight", T)
         mode_norm = MODE_NORM
+    if xr.tensor.tagged:
+        mode_norm |= MODE_TAGGED_X
     eps = float(eps)
     require(eps > 0, T, f"eps must be > 0, got {eps}")
     require((q_norm is None) == (k_norm is None), T, "q_norm and k_norm come together (Qwen3) or not at all")
@@ -208,7 +212,7 @@ def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, q_norm=N
 
 register(TaskType(
     name="qkv_rope_append", id=64, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:qkv_rope_append",
-    params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight"),
+    params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in", tagged=True), ptr("norm_weight", "bf16", "weight"),
             ptr("cos", "f32", "weight"), ptr("sin", "f32", "weight"), ptr("pos", "i32", "in"),
             ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"), ptr("head_norm", "bf16", "weight"),
             scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
@@ -263,7 +267,7 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
                                 part_o=por.tensor.ref(por.offset + slot * hd, ng * hd),
                                 part_ml=pmr.tensor.ref(pmr.offset + slot * 2, ng * 2),
                                 group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale,
-                                **fused(h, c)))
+                                tagged_out=int(out is not None and as_ref(out, "out").tensor.tagged), **fused(h, c)))
     return res
 
 
@@ -346,7 +350,8 @@ def _attn_fused_ref(p) -> None:
         return
     p.arrivals[0] = 0
     G, hd, C = p.group, p.hd, p.nchunks
-    back = lambda view, n, total: view.as_strided((total,), (1,), view.storage_offset() - n)  # noqa: E731
+    back = lambda view, n, total: view.as_strided(  # noqa: E731  (stride: a tagged out's values are every other half)
+        (total,), (view.stride(0),), view.storage_offset() - n * view.stride(0))
     _merge_ref(SimpleNamespace(out=back(p.out, out_claim(G * hd, C, p.cidx)[0], G * hd),
                                part_o=back(p.part_o, p.cidx * G * hd, C * G * hd),
                                part_ml=back(p.part_ml, p.cidx * G * 2, C * G * 2),
@@ -398,8 +403,8 @@ register(TaskType(
     params=(ptr("q", "bf16", "in"), ptr("k_cache", "bf16", "in"), ptr("v_cache", "bf16", "in"),
             ptr("pos", "i32", "in"), ptr("part_o", "f32", "out"), ptr("part_ml", "f32", "out"),
             scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("max_seq"),
-            scalar("scale", "f32"), ptr("out", "bf16", "out", optional=True),
-            ptr("arrivals", "i32", "sync", optional=True)),
+            scalar("scale", "f32"), ptr("out", "bf16", "out", optional=True, tagged=True),
+            ptr("arrivals", "i32", "sync", optional=True), scalar("tagged_out")),
     source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS, reference=_attn_fused_ref, split=_attn_split,
     cost=_attn_cost, smem_bytes=SMEM_ATTN, smem_for=_attn_smem, defines_for=_attn_defines,
     doc="Flash-decoding partials (m, l, unnormalised o) of one query token over one KV chunk of one kv "
@@ -431,7 +436,7 @@ def _merge_split(nw, tiles=1, *, out, part_o, part_ml, n_q, n_kv, hd, chunks):
         res.append(dict(out=orf.tensor.ref(orf.offset + i0 * hd, (i1 - i0) * hd),
                         part_o=por.tensor.ref(por.offset + o_lo, o_hi - o_lo),
                         part_ml=pmr.tensor.ref(pmr.offset + m_lo, m_hi - m_lo),
-                        nheads=i1 - i0, group=G, hd=hd, chunks=C, g0=g0))
+                        nheads=i1 - i0, group=G, hd=hd, chunks=C, g0=g0, tagged_out=int(orf.tensor.tagged)))
     return res
 
 
@@ -461,8 +466,9 @@ def _merge_cost(*, n_q, n_kv, hd, chunks, **_):
 
 register(TaskType(
     name="attention_merge", id=66, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:attention_merge",
-    params=(ptr("out", "bf16", "out"), ptr("part_o", "f32", "in"), ptr("part_ml", "f32", "in"),
-            scalar("nheads"), scalar("group"), scalar("hd"), scalar("chunks"), scalar("g0")),
+    params=(ptr("out", "bf16", "out", tagged=True), ptr("part_o", "f32", "in"), ptr("part_ml", "f32", "in"),
+            scalar("nheads"), scalar("group"), scalar("hd"), scalar("chunks"), scalar("g0"), scalar("tagged_out")),
     source="tasks/attention_merge.cuh", headers=ATTENTION_HEADERS, reference=_merge_ref, split=_merge_split, cost=_merge_cost,
-    doc="out[q head] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c over the attention_decode chunks."),
+    doc="out[q head] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c over the attention_decode chunks "
+        "(out may be a tagged tensor: tagged_out, set by the splitter)."),
     builtin=True)

@@ -184,10 +184,12 @@ __device__ __forceinline__ void merge_if_last(const megart_params_attention_deco
   const int G = p.group, HD = p.hd, C = p.nchunks, n = G * HD;  // (32-bit offsets: n * C < 2^31)
   const float* ml = p.part_ml - p.cidx * G * 2;
   const float* po = p.part_o - p.cidx * n;
-  __nv_bfloat16* out = p.out - p.cidx * n / C;
+  const int back = p.cidx * n / C;  // (elements: 2-byte values, or 4-byte tagged words)
   for (int t = threadIdx.x; t < n; t += MEGART_THREADS) {
     const int g = t / HD;
-    out[t] = __float2bfloat16_rn(merge_point(ml + g * 2, po + t, C, G, HD));
+    const __nv_bfloat16 v = __float2bfloat16_rn(merge_point(ml + g * 2, po + t, C, G, HD));
+    if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out) - back, t, v);
+    else (p.out - back)[t] = v;
   }
 }
 

@@ -131,12 +131,14 @@ struct PartsSum {
 
 // xs[0:k) = x (or the sum above), or bf16(x * rsqrt(mean(x^2) + eps) * g) when `norm`. k % 8 == 0, x and
 // g 16-byte aligned. Every CTA reduces the whole x itself (no grid barrier before the GEMV). Ends synced.
+// `tagged`: x holds tagged words (csrc/tagged.cuh), polled until they carry this step's tag.
 __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloat16* g, int k, bool norm,
-                                        float eps, uint4* xs, float* scratch, const PartsSum& sum = PartsSum{}) {
+                                        float eps, uint4* xs, float* scratch, const PartsSum& sum = PartsSum{},
+                                        bool tagged = false) {
   const int kc = k >> 3;
   float ss = 0.f;
   for (int c = threadIdx.x; c < kc; c += MEGART_THREADS) {
-    uint4 v = ld_act(x + 8 * c);
+    uint4 v = tagged ? ld_tagged8(x, 8 * c) : ld_act(x + 8 * c);
     if (sum.parts != nullptr) {
       float f[8];
       unpack8(v, f);
@@ -654,6 +656,17 @@ __device__ __forceinline__ void block_argmax(float& bv, int& bi, float* scratch)
   }
 }
 
+// Output r of a GEMV (gemv_m1, gemv_m1_fp8) from its fp32 dot v: y[r] = bf16(v (+ residual[r])), residual and
+// y as plain bf16 or tagged words as the flags say.
+template <class P>
+__device__ __forceinline__ void gemv_store(const P& p, int r, float v) {
+  if (p.flags & kFlagResidual)
+    v += (p.flags & kFlagTaggedRes) ? __uint_as_float(ld_tagged(p.residual, r) << 16) : __bfloat162float(p.residual[r]);
+  const __nv_bfloat16 y = __float2bfloat16_rn(v);
+  if (p.flags & kFlagTaggedOut) st_tagged(p.y, r, y);
+  else p.y[r] = y;
+}
+
 // The gate/up body (gate_up_silu, gate_up_silu_fp8): h[g] = bf16(silu(gate) * up) in fp32 (FP8: each dot
 // times its row's scale first).
 template <bool FP8, class P, class Rows>
@@ -662,14 +675,19 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
   uint4* xs = xs_of(smem);
   PartsSum sum;
   if (p.flags & kFlagParts) sum = PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), sum);
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), sum, p.flags & kFlagTaggedX);
   const int lane = threadIdx.x & 31;
+  const bool tag_out = p.flags & kFlagTaggedOut;
   matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), [&](int g, float gate, float up) {
     if constexpr (FP8) {
       gate *= __ldg(s_gate + g);
       up *= __ldg(s_up + g);
     }
-    if (lane == 0) p.h[g] = __float2bfloat16_rn(silu(gate) * up);
+    const __nv_bfloat16 h = __float2bfloat16_rn(silu(gate) * up);
+    if (lane == 0) {
+      if (tag_out) st_tagged(p.h, g, h);
+      else p.h[g] = h;
+    }
   }, smem);
 }
 
@@ -678,7 +696,8 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
 template <bool FP8, class P, class Rows>
 __device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>& plan, const float* scale, char* smem) {
   uint4* xs = xs_of(smem);
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), PartsSum{},
+          p.flags & kFlagTaggedX);
   const bool store = p.flags & kFlagLogits;
   const int lane = threadIdx.x & 31;
   float bv = neg_inf();

@@ -22,10 +22,15 @@ FLAG_RESIDUAL = 1
 FLAG_NORM = 2
 FLAG_LOGITS = 4
 FLAG_PARTS = 8       # gate_up_silu(_fp8): x = residual + the ranks' f32 partials (a folded all-reduce)
+FLAG_TAGGED_X = 16   # x is a tagged tensor (megart/tagged.py): stage_x polls it
+FLAG_TAGGED_OUT = 32  # the output (y, h) is tagged: the body stores tagged words
+FLAG_TAGGED_RES = 64  # the residual is tagged: polled element by element
 
 SCRATCH_BYTES = 256
 header_constants(HEADERS[0], "megart::dense", {"kFlagResidual": FLAG_RESIDUAL, "kFlagNorm": FLAG_NORM,
                                                 "kFlagLogits": FLAG_LOGITS, "kFlagParts": FLAG_PARTS,
+                                                "kFlagTaggedX": FLAG_TAGGED_X, "kFlagTaggedOut": FLAG_TAGGED_OUT,
+                                                "kFlagTaggedRes": FLAG_TAGGED_RES,
                                                 "kScratchBytes": SCRATCH_BYTES})
 MAX_K = 16384                  # longest x a GEMV-type body stages in shared memory (bf16)
 STAGE_SMEM = SCRATCH_BYTES + 2 * MAX_K   # 33,024 B: under the 48 KiB default dynamic limit
@@ -109,6 +114,13 @@ def opt_ref(value, name: str) -> TensorRef | None:
     return None if value is None else as_ref(value, name)
 
 
+def tagged_flags(x=None, out=None, residual=None) -> int:
+    """The FLAG_TAGGED_* bits for operands given as TensorRefs (None: absent)."""
+    is_tagged = lambda r: r is not None and r.tensor.tagged  # noqa: E731
+    return ((FLAG_TAGGED_X if is_tagged(x) else 0) | (FLAG_TAGGED_OUT if is_tagged(out) else 0)
+            | (FLAG_TAGGED_RES if is_tagged(residual) else 0))
+
+
 def aligned(task: str, r: TensorRef, name: str) -> None:
     require(r.address % ALIGN_BYTES == 0, task,
             f"{name} ({r.tensor.name!r} at element {r.offset}) must start on a {ALIGN_BYTES}-byte boundary "
@@ -169,4 +181,8 @@ def silu(g: torch.Tensor) -> torch.Tensor:
 
 
 def nbytes(r: TensorRef | None) -> int:
-    return 0 if r is None else r.count * r.tensor.itemsize
+    """Bytes the operation moves for `r`: a tagged tensor's elements count as their 2-byte bf16 values (the tags
+    are the format's overhead, not the operation's: a cost model feeds the floor)."""
+    if r is None:
+        return 0
+    return r.count * (2 if r.tensor.tagged else r.tensor.itemsize)

@@ -12,7 +12,7 @@ import torch
 from ..geometry.dense import EXPERT_ROWS  # group_gemm_m1: each expert's tile of `a` / `y` rows (row 0 live)
 from ..registry import Cost, TaskType, ptr, register, scalar
 from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_PARTS, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS,
-                           STAGE_SMEM, aligned, check_k, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub,
+                           STAGE_SMEM, aligned, check_k, tagged_flags, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub,
                            sum_parts, wrappers)
 from .shapes import check_shape
 from .tiling import even_tiles, require
@@ -55,7 +55,8 @@ def _gemv_split(task, nw, tiles, y, w, x, residual, norm_weight, eps, scale=None
     if scale is not None or w_elem == 1:
         sc = ref(task, scale, "scale")
         require(sc.count == n, task, f"scale has {sc.count} elements, y has {n} (one per output channel)")
-    flags = (FLAG_RESIDUAL if res is not None else 0) | (FLAG_NORM if g is not None else 0)
+    flags = (FLAG_RESIDUAL if res is not None else 0) | (FLAG_NORM if g is not None else 0) \
+        | tagged_flags(x=x, out=y, residual=res)
     out = []
     for lo, hi in even_tiles(n, tiles, align=2):     # whole row pairs: a warp streams two rows at once
         inst = dict(y=sub(y, lo, hi - lo), w=sub(w, lo * k, (hi - lo) * k), x=x,
@@ -85,8 +86,8 @@ def _gemv_cost(y=None, w=None, x=None, residual=None, norm_weight=None, scale=No
 register(TaskType(
     name="gemv_m1", id=16, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:gemv_m1",
     generated=wrappers("w", ring=True),
-    params=(ptr("y", "bf16", "out"), ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"),
-            ptr("residual", "bf16", "in", optional=True), ptr("norm_weight", "bf16", "weight", optional=True),
+    params=(ptr("y", "bf16", "out", tagged=True), ptr("w", "bf16", "weight"), ptr("x", "bf16", "in", tagged=True),
+            ptr("residual", "bf16", "in", optional=True, tagged=True), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
     source=source("gemv_m1"), headers=HEADERS, reference=_gemv_ref,
     split=lambda nw, tiles=1, y=None, w=None, x=None, residual=None, norm_weight=None, eps=1e-5:
@@ -109,8 +110,9 @@ def _gemv_fp8_ref(p) -> None:
 register(TaskType(
     name="gemv_m1_fp8", id=24, hostsim=True, tol=5e-3, gate="megart.faithful.decode_gates:gemv_m1_fp8",
     generated=wrappers("w", ring=True),
-    params=(ptr("y", "bf16", "out"), ptr("w", "fp8e4m3", "weight"), ptr("scale", "f32", "weight"),
-            ptr("x", "bf16", "in"), ptr("residual", "bf16", "in", optional=True), ptr("norm_weight", "bf16", "weight", optional=True),
+    params=(ptr("y", "bf16", "out", tagged=True), ptr("w", "fp8e4m3", "weight"), ptr("scale", "f32", "weight"),
+            ptr("x", "bf16", "in", tagged=True), ptr("residual", "bf16", "in", optional=True, tagged=True),
+            ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
     source=source("gemv_m1_fp8"), headers=HEADERS, reference=_gemv_fp8_ref,
     split=lambda nw, tiles=1, y=None, w=None, scale=None, x=None, residual=None, norm_weight=None, eps=1e-5:
@@ -216,7 +218,7 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
     disjoint(task, h, "h", x, "x")
     rows = even_tiles(f, tiles)
     fold, folds = _fold(task, x, h, parts, tp, x_out, len(rows))
-    flags = (FLAG_NORM if g is not None else 0) | fold
+    flags = (FLAG_NORM if g is not None else 0) | fold | tagged_flags(x=x, out=h)
     return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
                  x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps), **fd,
                  **{nm: sub(r, lo, hi - lo) for nm, r in scales.items()})
@@ -249,8 +251,8 @@ def _gate_up_cost(h=None, w_gate=None, w_up=None, x=None, norm_weight=None, s_ga
 register(TaskType(
     name="gate_up_silu", id=18, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:gate_up_silu",
     generated=wrappers("w_gate", "w_up", ring=True),
-    params=(ptr("h", "bf16", "out"), ptr("w_gate", "bf16", "weight"), ptr("w_up", "bf16", "weight"),
-            ptr("x", "bf16", "in"), ptr("norm_weight", "bf16", "weight", optional=True),
+    params=(ptr("h", "bf16", "out", tagged=True), ptr("w_gate", "bf16", "weight"), ptr("w_up", "bf16", "weight"),
+            ptr("x", "bf16", "in", tagged=True), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True),
             scalar("tp"), scalar("x_lo"), scalar("x_hi")),
     source=source("gate_up_silu"), headers=HEADERS, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
@@ -264,8 +266,8 @@ register(TaskType(
 register(TaskType(
     name="gate_up_silu_fp8", id=25, hostsim=True, tol=1e-2,
     generated=wrappers("w_gate", "w_up", ring=True),
-    params=(ptr("h", "bf16", "out"), ptr("w_gate", "fp8e4m3", "weight"), ptr("w_up", "fp8e4m3", "weight"),
-            ptr("s_gate", "f32", "weight"), ptr("s_up", "f32", "weight"), ptr("x", "bf16", "in"),
+    params=(ptr("h", "bf16", "out", tagged=True), ptr("w_gate", "fp8e4m3", "weight"), ptr("w_up", "fp8e4m3", "weight"),
+            ptr("s_gate", "f32", "weight"), ptr("s_up", "f32", "weight"), ptr("x", "bf16", "in", tagged=True),
             ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True),
             scalar("tp"), scalar("x_lo"), scalar("x_hi")),
@@ -299,7 +301,7 @@ def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=
     sc = ref(task, scale, "scale") if fp8 else None
     if sc is not None:
         require(sc.count == v, task, f"scale has {sc.count} elements, the head has {v} rows (one scale per row)")
-    flags = (FLAG_LOGITS if lg is not None else 0) | (FLAG_NORM if g is not None else 0)
+    flags = (FLAG_LOGITS if lg is not None else 0) | (FLAG_NORM if g is not None else 0) | tagged_flags(x=x)
     out = []
     for i, (lo, hi) in enumerate(parts):
         val = sub(pv, i, 1)
@@ -336,7 +338,7 @@ def _lm_cost(w=None, x=None, part_val=None, part_idx=None, logits=None, norm_wei
 register(TaskType(
     name="lm_head_argmax", id=21, hostsim=True, tol=1e-2,
     generated=wrappers("w", ring=True),
-    params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"), ptr("part_val", "f32", "out"),
+    params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in", tagged=True), ptr("part_val", "f32", "out"),
             ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),
     source=source("lm_head_argmax"), headers=HEADERS, reference=_lm_ref, split=_lm_split, cost=_lm_cost, prefetch=True, **RING,
@@ -349,7 +351,7 @@ register(TaskType(
 register(TaskType(
     name="lm_head_argmax_fp8", id=26, hostsim=True, tol=1e-2,
     generated=wrappers("w", ring=True),
-    params=(ptr("w", "fp8e4m3", "weight"), ptr("scale", "f32", "weight"), ptr("x", "bf16", "in"),
+    params=(ptr("w", "fp8e4m3", "weight"), ptr("scale", "f32", "weight"), ptr("x", "bf16", "in", tagged=True),
             ptr("part_val", "f32", "out"), ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"),
             ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),

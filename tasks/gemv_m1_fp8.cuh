@@ -10,15 +10,11 @@ __device__ __forceinline__ void megart_task_gemv_m1_fp8(const P& p, char* smem) 
   using namespace megart;
   using namespace megart::dense;
   uint4* xs = xs_of(smem);
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem));
-  const bool res = p.flags & kFlagResidual;
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), PartsSum{},
+          p.flags & kFlagTaggedX);
   const int lane = threadIdx.x & 31;
   matvec_prewaited<true, P>(plan_gemv_m1_fp8(p), xs, scratch_of(smem), [&](int g, float a, float b) {
     const int r = 2 * g + lane;
-    if (lane < 2 && r < p.n) {
-      float v = (lane ? b : a) * __ldg(p.scale + r);
-      if (res) v += __bfloat162float(p.residual[r]);
-      p.y[r] = __float2bfloat16_rn(v);
-    }
+    if (lane < 2 && r < p.n) gemv_store(p, r, (lane ? b : a) * __ldg(p.scale + r));
   }, smem);
 }

@@ -46,7 +46,8 @@ __device__ __forceinline__ void megart_task_qkv_rope_append(const P& p, char* sm
   uint4* xs = dn::xs_of(smem);
   float* scratch = dn::scratch_of(smem);
   float* dots = reinterpret_cast<float*>(smem + dn::kScratchBytes + 2 * at::kQkvMaxD);  // [np] lo, then [np] hi
-  dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch);
+  dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch, dn::PartsSum{},
+              (p.mode & at::kModeTaggedX) != 0);
   // (an out-of-range position still reads its weights: a streamed type consumes every stage it declared)
   dn::matvec_streamed<false, P>(plan_qkv_rope_append(p), xs, scratch, [&](int g, float lo, float hi) {
     if (lane == 0) {

@@ -96,7 +96,7 @@ def test_emulated_tp2_attention_equals_single_gpu_per_layer():
     cfg = llama.tiny().with_(n_q=8, n_kv=4, max_seq=96, prefill=70)
     nw, world = 16, 2
     W, kv = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
-    one = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=nw)
+    one = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=nw, tagged=False)   # (plain attn, as a rank's)
     group = LlamaTPGroup(cfg, world, W, clone_kv(kv), nw=nw)                    # "match", the default
     old = LlamaTPGroup(cfg, world, W, clone_kv(kv), nw=nw, attn_chunks="local")
     assert [m.chunks for m in group.ranks] == [one.chunks] * world == [4] * world

@@ -236,6 +236,8 @@ extern "C" int megart_hostsim_run(int type_id, const unsigned long long* params,
   *prefetched = megart::prefetched;
   return megart_hs_fault ? -3 : 0;
 }
+// This step's tag for the tagged words the bodies store and poll (csrc/tagged.cuh).
+extern "C" void megart_hostsim_set_step(long long gen) { megart::s_poll.tag = megart::step_tag_bits(gen); }
 extern "C" const char* megart_hostsim_fault() { return megart_hs_fault ? megart_hs_fault : ""; }
 // The weight stream's saved state: its size, and the stages issued but never read (summed over warps).
 extern "C" int megart_hostsim_stream_bytes() {
@@ -276,7 +278,8 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
     defines = defines or {}
     macros = "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items()))
     parts = [f"#define MEGART_THREADS {threads}\n{macros}", PRELUDE, layout_header(),
-             read_source("csrc/tile_helpers.cuh")[0], read_source("csrc/weight_stream.cuh")[0]]
+             read_source("csrc/tile_helpers.cuh")[0], read_source("csrc/weight_stream.cuh")[0],
+             read_source("csrc/tagged.cuh")[0]]
     streamed = [t for t in types if t.stream and t.name not in overrides] \
         if int(defines.get("MEGART_STREAM_SLOTS", 0)) > 0 else []
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared headers once, as codegen does
@@ -359,6 +362,7 @@ def library(types: list | None = None, threads: int = 256, overrides: dict | Non
     lib.megart_hostsim_stream_unread.restype = ctypes.c_longlong
     lib.megart_hostsim_stream_unread.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.megart_hostsim_fault.restype = ctypes.c_char_p
+    lib.megart_hostsim_set_step.argtypes = [ctypes.c_longlong]
     _LIBS[key] = lib
     return lib
 
@@ -415,6 +419,7 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
             return
         if inst.type.id not in sim_ids:
             inst.type.reference(s.graph.host_views(inst, host))
+            stamp_tags(inst)
             return
         w = s.worker_of[uid]
         begin = w not in smems
@@ -432,6 +437,13 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
             raise HostSimError(f"{inst.label()}: no host body for task id {inst.type.id}")
         run.prefetched[uid] = pref.value
 
+    def stamp_tags(inst):   # a reference writes values only; the words it wrote get this step's tag
+        from ..tagged import stamp
+        for p in inst.type.params:
+            ref = inst.params.get(p.name)
+            if p.writes and ref is not None and ref.tensor.tagged:
+                stamp(host[ref.tensor.name].view(-1)[ref.offset:ref.offset + ref.count], pk._hostsim_steps)
+
     def check_stream_drained():
         for w, st in states.items():
             unread = lib.megart_hostsim_stream_unread(st.ctypes.data, pk.threads)
@@ -444,6 +456,11 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
     import torch
     with torch.no_grad():
         for _ in range(steps):
+            # (the step's generation, counted on across calls as the device's step counter is: a tagged word
+            # left by an earlier call must not pass for this step's)
+            pk._hostsim_steps = getattr(pk, "_hostsim_steps", 0) + 1
+            if lib is not None:
+                lib.megart_hostsim_set_step(pk._hostsim_steps)
             simulate(s, execute, rng)
             check_stream_drained()
     return host

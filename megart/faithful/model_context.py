@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from .. import tagged
 from ..errors import GraphError
 from ..tensors import TensorRef
 from .codes import BAD_SHAPE, DEVICE, INCORRECT, GateError
@@ -127,9 +128,10 @@ class LlamaContext:
         insts = [m.pk.graph.instances[u] for u in uids]
         pristine, sentinel = {}, {}
 
-        def host(t):
+        def host(t):   # (a tagged tensor's values: the references read and write values, never tags)
             if t.name not in pristine:
-                pristine[t.name] = t.data.detach().to("cpu").clone().view(-1)
+                data = tagged.values(t.data.detach()) if t.tagged else t.data.detach()
+                pristine[t.name] = data.to("cpu").contiguous().clone().view(-1)
             return pristine[t.name]
 
         for inst in insts:

@@ -39,6 +39,7 @@ import math
 import torch
 
 from .. import PersistentKernel
+from .. import tagged as tagged_words
 from ..geometry.attention import attention_chunks
 from .llama_config import (CONFIGS, LlamaConfig, LlamaWeights, block_8b, clone_kv, config, llama_1b,  # noqa: F401
                            llama_1b_fp8, make_inputs, make_kv_cache, make_weights, relerr, rope_tables, tiny)
@@ -131,17 +132,24 @@ class LlamaModel:
     """
 
     stream_slots_default = STREAM_DEFAULT   # MEGART_STREAM_SLOTS when the caller leaves it unset
+    # the vectors between the weight-bound calls are tagged words, polled by their readers: on the H200 the
+    # 1B step measured 922.5 / 923.2 us against 944.4 / 940.4 with event waits (bench/RESULTS.md)
+    tagged_default = True
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights | None = None, kv: list | None = None, *,
                  device=None, nw: int | None = None, seed: int = 0, kv_seed: int = 1, init: str = "random",
                  tiles: dict | None = None, deps: str = "infer", kv_refs: str = "partition",
                  logits: bool = True, profile: bool = False, profile_steps: int = 16, threads: int = 256,
                  watchdog_s: float | None = None, compile: bool = True, sm_count: int | None = None,
-                 defines: dict | None = None, peers=None, attn_merge: str = "auto"):
+                 defines: dict | None = None, peers=None, attn_merge: str = "auto", tagged: bool | None = None):
         if deps not in ("explicit", "infer"):
             raise ValueError(f"deps must be 'explicit' or 'infer', got {deps!r}")
         if attn_merge not in ATTN_MERGE:
             raise ValueError(f"attn_merge must be one of {ATTN_MERGE}, got {attn_merge!r}")
+        tagged = self.tagged_default if tagged is None else tagged
+        if not isinstance(tagged, bool):
+            raise ValueError(f"tagged must be True or False, got {tagged!r}")
+        self.tagged = tagged
         if device is None:
             device = weights.layers[0]["wqkv"].device if weights is not None else (
                 "cuda" if torch.cuda.is_available() else "cpu")
@@ -181,11 +189,17 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(c, dev)
         self.chunks = attention_chunks(c.n_kv, c.max_seq, self.nw, chunks=self.tiles["attn_chunks"])
         # single-assignment residual stream: xs[l] enters layer l, xm[l] is after its attention
-        self.xs = [z(c.d) for _ in range(c.layers + 1)]
-        self.xm = [z(c.d) for _ in range(c.layers)]
+        # tagged (megart/tagged.py): the vectors passed between the weight-bound calls are tagged words, which
+        # their readers poll instead of waiting on the writer's event; not x_in / x_out (the caller's) or the
+        # embedding's output, nor h when silu_mul writes it (fp8 "split" gate/up)
+        tv = lambda n: tagged_words.empty(n, dev) if self.tagged else z(n)  # noqa: E731
+        self.xs = [z(c.d) if i == 0 or (c.block and i == c.layers) else tv(c.d) for i in range(c.layers + 1)]
+        self.xm = [tv(c.d) for _ in range(c.layers)]
         self.q = [z(c.n_q * c.hd) for _ in range(c.layers)]
-        self.attn = [z(c.n_q * c.hd) for _ in range(c.layers)]
-        self.h = [z(c.ffn) for _ in range(c.layers)]
+        self.attn = [tv(c.n_q * c.hd) for _ in range(c.layers)]
+        split_fp8 = c.wdtype == "fp8" and c.fp8_gate_up != "fused"
+        self.h = [z(c.ffn) if split_fp8 else tv(c.ffn) for _ in range(c.layers)]
+        self._tagged_ptrs = {t.data_ptr() for t in (*self.xs, *self.xm, *self.attn, *self.h) if t.dtype == torch.int32}
         self.part_o = [z(c.n_kv, self.chunks, c.group, c.hd, dtype=f32) for _ in range(c.layers)]
         self.part_ml = [z(c.n_kv, self.chunks, c.group, 2, dtype=f32) for _ in range(c.layers)]
         self.merge_fused = merge_fused(self.attn_merge, c, self.chunks)
@@ -210,8 +224,12 @@ class LlamaModel:
         self.groups[key] = g
         return g
 
+    def _tensor(self, t: torch.Tensor, name: str):
+        """pk.tensor, with the word buffers _alloc made for the tagged vectors added as tagged."""
+        return self.pk.tensor(t, name, tagged=t.data_ptr() in self._tagged_ptrs)
+
     def _build(self):
-        c, W, T, tl = self.cfg, self.weights, self.pk.tensor, self.tiles
+        c, W, T, tl = self.cfg, self.weights, self._tensor, self.tiles
         eps = c.eps
         pos = T(self.pos, "pos")
         g_pos = self._task("pos_advance", "pos_advance", [], pos=pos, pos_next=T(self.pos_next, "pos_next"))
@@ -260,7 +278,7 @@ class LlamaModel:
         """Layer l's attention half up to its merged output: qkv (fused norm, RoPE, KV append) after g_prev
         and g_pos, attention chunks, their merge (in the attention call when fused, else a call of its own).
         Returns (the merged output, the call that writes it)."""
-        c, L, T, tl, p = self.cfg, self.weights.layers[l], self.pk.tensor, self.tiles, f"L{l}."
+        c, L, T, tl, p = self.cfg, self.weights.layers[l], self._tensor, self.tiles, f"L{l}."
         kc, vc = self.kv[l]
         q = T(self.q[l], p + "q")
         kct, vct = T(kc, p + "k_cache"), T(vc, p + "v_cache")

@@ -104,12 +104,16 @@ class LlamaTPRank(LlamaModel):
     # the weight stream, as for the single-GPU model ("auto"): on 2 H200s (8B shape, "match" chunks) a TP=2
     # step measured 2,960.0 us with it against 3,118.5 with registers (bench/RESULTS.md)
     stream_slots_default = LlamaModel.stream_slots_default
+    # (a rank's graph adds its vectors as plain bf16 tensors and sums partials into them: not tagged yet)
+    tagged_default = False
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, kv: list, *, peers, device=None,
                  nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "match", fold_sums: bool = True,
                  **kw):
         if kw.get("deps", "explicit") != "explicit" or kw.get("kv_refs", "partition") != "partition":
             raise GraphError("LlamaTPRank builds explicit dependencies only (deps='explicit')")
+        if kw.get("tagged"):
+            raise GraphError("LlamaTPRank does not take tagged=True: a rank's vectors are plain bf16 (docs/TP.md)")
         self.full_cfg, self.rank, self.world, self.peers = cfg, peers.rank, peers.world, peers
         self.fold_sums = bool(fold_sums)
         lc = shard_config(cfg, self.world)

@@ -1,0 +1,153 @@
+// Tagged words (megart/tagged.py): a bf16 value in the low 16 bits of a 32-bit word and the writing step's
+// tag in the high 16. A writer stores whole words with relaxed gpu-scope stores (value and tag land
+// together); a reader polls them with relaxed gpu-scope loads until every word carries this step's tag. The
+// read needs no event wait and the write, when nothing else waits on its instance, no release fence: the
+// tagged word itself is the signal. Also compiled by the host simulation (megart/emulate/hostsim.py), where
+// instances run one at a time in a legal order, so a word without this step's tag is a fault there.
+#pragma once
+namespace megart {
+
+// Who is polling (for the watchdog's hang record) and this step's tag, set by the worker loop.
+struct PollState {
+  long long* ctrl;
+  long long watchdog_ns;
+  int worker, queue_pos, type, instance;
+  unsigned tag;  // (kTagMark | (generation & kTagMask)) << 16: the high half of every word of this step
+};
+__shared__ PollState s_poll;
+
+__device__ __forceinline__ unsigned step_tag_bits(long long gen) {
+  return (kTagMark | ((unsigned)gen & kTagMask)) << 16;
+}
+
+// bf16 bits -> this step's word.
+__device__ __forceinline__ unsigned tag_word(unsigned bits) { return (bits & 0xffffu) | s_poll.tag; }
+
+// Two words (lo, hi) -> their bf16 values packed as one 32-bit pair.
+__device__ __forceinline__ unsigned untag2(unsigned lo, unsigned hi) { return (lo & 0xffffu) | (hi << 16); }
+
+__device__ __forceinline__ bool tags_match(const uint4& a, const uint4& b, unsigned tag) {
+  return (((a.x ^ tag) | (a.y ^ tag) | (a.z ^ tag) | (a.w ^ tag) | (b.x ^ tag) | (b.y ^ tag) | (b.z ^ tag) |
+           (b.w ^ tag)) >> 16) == 0;
+}
+
+#ifdef __CUDA_ARCH__
+// (No "memory" clobber on these: a tagged word orders nothing but itself, and a clobber in an epilogue made
+// the compiler spill around it.)
+// The hang record of a poll (event kHangPoll, have = the tag seen, need = this step's). Out of line, with one
+// argument: a WaitSite built at each polling site would sit on every caller's stack.
+__device__ __noinline__ void raise_poll_hang(unsigned seen_tag) {
+  raise_hang(s_poll.ctrl, WaitSite{s_poll.worker, s_poll.queue_pos, s_poll.type, s_poll.instance}, kHangPoll,
+             seen_tag, s_poll.tag >> 16);
+}
+
+__device__ __forceinline__ uint4 ld_relaxed_v4(const unsigned* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ unsigned ld_relaxed_u32(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_v4(unsigned* p, const uint4& v) {
+  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+__device__ __forceinline__ void st_relaxed_u32(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v));
+}
+
+// MEGART_POLL_SLEEP_NS: a pause between two reads of words not yet tagged (a tuning macro): every thread of a
+// polling CTA reads, so the spin is L2 traffic on the very lines the writers are storing.
+#ifndef MEGART_POLL_SLEEP_NS
+#define MEGART_POLL_SLEEP_NS 0
+#endif
+__device__ __forceinline__ void poll_pause() {
+  if constexpr (MEGART_POLL_SLEEP_NS > 0) __nanosleep(MEGART_POLL_SLEEP_NS);
+}
+
+// The slow path of a poll: spin until the 8 words at w carry this step's tag, leave once any watchdog fired,
+// and past the watchdog record a hang (event kHangPoll, have = a tag seen, need = this step's tag). The
+// caller reads the words again after it (by value: a reference would put them on the stack of every caller).
+__device__ __forceinline__ void poll_spin8(const unsigned* w) {
+  const unsigned long long start = globaltimer();
+  for (unsigned iter = 1;; ++iter) {
+    poll_pause();
+    const uint4 a = ld_relaxed_v4(w), b = ld_relaxed_v4(w + 4);
+    if (tags_match(a, b, s_poll.tag)) return;
+    if ((iter & 31) == 0) {
+      if (ld_relaxed(s_poll.ctrl + kCtrl_abort) != 0) return;
+      if ((long long)(globaltimer() - start) > s_poll.watchdog_ns) {
+        raise_poll_hang((tags_match(a, a, s_poll.tag) ? b.x : a.x) >> 16);  // (a word without the tag, roughly)
+        return;
+      }
+    }
+  }
+}
+__device__ __forceinline__ unsigned poll_spin1(const unsigned* w) {
+  const unsigned long long start = globaltimer();
+  for (unsigned iter = 1;; ++iter) {
+    poll_pause();
+    const unsigned v = ld_relaxed_u32(w);
+    if (((v ^ s_poll.tag) >> 16) == 0) return v;
+    if ((iter & 31) == 0) {
+      if (ld_relaxed(s_poll.ctrl + kCtrl_abort) != 0) return v;
+      if ((long long)(globaltimer() - start) > s_poll.watchdog_ns) {
+        raise_poll_hang(v >> 16);
+        return v;
+      }
+    }
+  }
+}
+#else
+inline unsigned poll_spin1(const unsigned* w) {
+  megart_host_fault("a polled read found a tagged word without this step's tag (read before its writer ran, "
+                    "or the writer stored a plain value)");
+  return *w;
+}
+inline uint4 ld_relaxed_v4(const unsigned* p) { return *reinterpret_cast<const uint4*>(p); }
+inline unsigned ld_relaxed_u32(const unsigned* p) { return *p; }
+inline void st_relaxed_v4(unsigned* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }
+inline void st_relaxed_u32(unsigned* p, unsigned v) { *p = v; }
+inline void poll_spin8(const unsigned*) {
+  megart_host_fault("a polled read found tagged words without this step's tag (read before their writer ran, "
+                    "or the writer stored plain values)");
+}
+#endif
+
+// Values [i, i + 8) of tagged vector `x` (i % 8 == 0), as 8 bf16 packed in a uint4, once they carry this
+// step's tag.
+__device__ __forceinline__ uint4 ld_tagged8(const void* x, int i) {
+  const unsigned* w = static_cast<const unsigned*>(x) + i;
+  uint4 a = ld_relaxed_v4(w), b = ld_relaxed_v4(w + 4);
+  if (!tags_match(a, b, s_poll.tag)) {
+    poll_spin8(w);
+    a = ld_relaxed_v4(w);
+    b = ld_relaxed_v4(w + 4);
+  }
+  return make_uint4(untag2(a.x, a.y), untag2(a.z, a.w), untag2(b.x, b.y), untag2(b.z, b.w));
+}
+
+// Value i of tagged vector `x` (its bf16 bits), once it carries this step's tag.
+__device__ __forceinline__ unsigned ld_tagged(const void* x, int i) {
+  const unsigned* w = static_cast<const unsigned*>(x) + i;
+  unsigned v = ld_relaxed_u32(w);
+  if (((v ^ s_poll.tag) >> 16) != 0) v = poll_spin1(w);
+  return v & 0xffffu;
+}
+
+// Store bf16 value v as element i of tagged vector `y`.
+__device__ __forceinline__ void st_tagged(void* y, int i, __nv_bfloat16 v) {
+  st_relaxed_u32(static_cast<unsigned*>(y) + i, tag_word(*reinterpret_cast<const unsigned short*>(&v)));
+}
+
+// Store 8 bf16 values (packed in a uint4) as elements [i, i + 8) of tagged vector `y` (i % 4 == 0).
+__device__ __forceinline__ void st_tagged8(void* y, int i, const uint4& v) {
+  unsigned* w = static_cast<unsigned*>(y) + i;
+  st_relaxed_v4(w, make_uint4(tag_word(v.x), tag_word(v.x >> 16), tag_word(v.y), tag_word(v.y >> 16)));
+  st_relaxed_v4(w + 4, make_uint4(tag_word(v.z), tag_word(v.z >> 16), tag_word(v.w), tag_word(v.w >> 16)));
+}
+
+}  // namespace megart

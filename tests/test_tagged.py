@@ -1,0 +1,156 @@
+"""Tagged tensors (megart/tagged.py): the word format, the graph's rules (one write per step, a polled read
+after its writer, only tagged parameters take them), the schedule (a polled read makes no wait and its writer
+signals nothing for it), the simulator (a poll whose writer can never run is a deadlock, named) and the Llama
+step with its vectors tagged: same bits in the emulator and in the host-run CUDA bodies, fewer events."""
+import pytest
+import torch
+
+import megart
+from megart import tagged
+from megart.emulate import hostsim
+from megart.layout import TAG_MARK, step_tag
+from megart.models import llama
+from megart.models.llama_config import clone_kv
+from megart.registry import RegistryError, TaskType, ptr, register
+
+pytestmark = pytest.mark.usefixtures("cpu_settings")
+
+
+def test_word_format_round_trips_values_and_tags():
+    v = torch.randn(64).to(torch.bfloat16)
+    w = tagged.pack(v, 3)
+    assert w.dtype == torch.int32 and torch.equal(tagged.values(w), v)
+    assert set(tagged.tags(w).tolist()) == {step_tag(3)} == {TAG_MARK | 3}
+    tagged.stamp(w, 0x7FFF + 2)                 # the tag wraps at 15 bits, keeping the mark
+    assert set(tagged.tags(w).tolist()) == {step_tag(1)} and torch.equal(tagged.values(w), v)
+    assert step_tag(1) != step_tag(2) and not (tagged.empty(4) >> 16).any()   # zeroed words match no step
+    tagged.values(w)[0] = 2.0                   # the view writes values and keeps tags
+    assert tagged.values(w)[0].item() == 2.0 and tagged.tags(w)[0].item() == step_tag(1)
+
+
+def _kernel(nw=4):
+    return megart.PersistentKernel(nw=nw, device="cpu")
+
+
+def _gemv(pk, y, x, name, n=16, k=64, **kw):
+    w = pk.tensor(torch.randn(n, k).to(torch.bfloat16), name + "_w")
+    return pk.task("gemv_m1", y=y, w=w, x=x, label=name, **kw)
+
+
+def test_a_tagged_tensor_needs_int32_words_and_a_tagged_parameter():
+    pk = _kernel()
+    with pytest.raises(megart.GraphError, match="32-bit words"):
+        pk.tensor(torch.zeros(8, dtype=torch.bfloat16), "x", tagged=True)
+    x = pk.tensor(tagged.empty(64), "x", tagged=True)
+    assert x.tagged and x.dtype == "tagged_bf16" and x.itemsize == 4
+    with pytest.raises(megart.GraphError, match="tensor 'x' is tagged.*'x' does not take tagged words"):
+        pk.task("axpy", y=pk.tensor(torch.zeros(64), "y"), x=x, a=1.0)
+    with pytest.raises(RegistryError, match="tagged=True needs a bf16 'in' or 'out'"):
+        register(TaskType("bad_tagged", 1997, (ptr("w", "bf16", "weight", tagged=True),), "tasks/noop.cuh",
+                          reference=lambda p: None), builtin=False)
+
+
+def test_one_write_per_step_and_no_poll_before_the_write():
+    pk = _kernel()
+    src = pk.tensor(torch.randn(64).to(torch.bfloat16), "src")
+    x = pk.tensor(tagged.empty(64), "x", tagged=True)
+    with pytest.raises(megart.GraphError, match="read by polling, but no earlier task of this step writes"):
+        _gemv(pk, pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y0"), x, "early")
+    _gemv(pk, x.ref(0, 16), src, "first")                    # elements [0, 16) written
+    with pytest.raises(megart.GraphError, match="elements \\[0, 64\\)\\) is read by polling"):
+        _gemv(pk, pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y1"), x, "partial")   # [16, 64) never
+    n = len(pk.graph.instances)
+    with pytest.raises(megart.GraphError, match="written twice in one step \\(also by gemv_m1#0\\)"):
+        _gemv(pk, x.ref(8, 16), src, "again", tiles=2)
+    assert len(pk.graph.instances) == n             # a refused call adds nothing
+    with pytest.raises(megart.GraphError, match="written twice"):   # in place: x += W x reads then rewrites
+        pk.task("gemv_m1", y=x.ref(0, 16), w=pk.tensor(torch.randn(16, 16).to(torch.bfloat16), "w_in"),
+                x=pk.tensor(torch.randn(16).to(torch.bfloat16), "s16"), residual=x.ref(0, 16))
+
+
+def test_a_polled_read_makes_no_wait_and_its_writer_no_signal():
+    pk = _kernel()
+    src = pk.tensor(torch.randn(64).to(torch.bfloat16), "src")
+    x = pk.tensor(tagged.empty(64), "x", tagged=True)
+    plain = pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "plain")
+    gw = _gemv(pk, x, src, "writer", n=64, tiles=4)
+    gp = _gemv(pk, plain, src, "plain_writer", n=64, tiles=4)
+    gr = _gemv(pk, pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), x, "reader", tiles=4)
+    gpr = _gemv(pk, pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y2"), plain, "plain_reader", tiles=4)
+    pk.compile()
+    s = pk.schedule
+    assert all(s.waits[u] == [] for u in gr.uids)
+    assert all(s.polls[u] == gw.uids for u in gr.uids)
+    assert all(s.signals[u] == [] for u in gw.uids)           # nothing waits on the tagged writer
+    assert any(s.signals[u] for u in gp.uids) and any(s.waits[u] for u in gpr.uids)   # the plain edge: events
+    out = pk.emulate(2)                                       # the emulator reads values through the tags
+    want = pk.graph.tensors["reader_w"].data.float() @ (pk.graph.tensors["writer_w"].data.float() @
+                                                        src.data.float()).to(torch.bfloat16).float()
+    torch.testing.assert_close(out["y"].float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_poll_whose_writer_waits_on_the_reader_is_a_named_deadlock():
+    pk = _kernel()
+    src = pk.tensor(torch.randn(64).to(torch.bfloat16), "src")
+    x = pk.tensor(tagged.empty(16), "x", tagged=True)
+    e = pk.event("after_reader")
+    _gemv(pk, x, src, "writer", waits=[e])
+    _gemv(pk, pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), x, "reader", k=16, signals=[e])
+    with pytest.raises(megart.ScheduleError, match="polls the tagged words of gemv_m1#0, which never run"):
+        pk.compile()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    cfg = llama.tiny()
+    prefix = llama.make_kv_cache(cfg, 1)
+    weights = llama.make_weights(cfg, 0)
+    return cfg, weights, prefix
+
+
+def test_llama_tagged_step_matches_the_plain_step_in_the_emulator(tiny_pair):
+    cfg, W, prefix = tiny_pair
+    out = {}
+    for tg in (False, True):
+        m = llama.LlamaModel(cfg, W, clone_kv(prefix), device="cpu", nw=8, tagged=tg)
+        logits, token = m.step(5, pos=cfg.prefill)
+        out[tg] = (logits.clone(), token.clone(), m.pk.schedule)
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    n_waits = {tg: sum(map(len, out[tg][2].waits.values())) for tg in out}
+    n_signals = {tg: sum(map(len, out[tg][2].signals.values())) for tg in out}
+    assert n_waits[True] < n_waits[False] and n_signals[True] < n_signals[False] / 2
+    names = {t.name for t in out[True][2].graph.tagged_tensors()}
+    assert names == {"x1", "x2", "L0.xm", "L1.xm", "L0.h", "L1.h", "L0.attn", "L1.attn"}   # not x0 (the embedding
+    #                                                               writes it plain)
+
+
+@pytest.mark.parametrize("slots,merge", [(0, "auto"), ("auto", "auto"), (0, "call")])
+def test_llama_tagged_step_gives_the_same_bits_in_the_host_run_bodies(tiny_pair, slots, merge):
+    """Two whole steps through the CUDA bodies on the host: every tensor's values equal the plain kernel's,
+    and every tagged word carries the last step's tag (a poll of an untagged word faults the run)."""
+    cfg, W, prefix = tiny_pair
+    res = {}
+    for tg in (False, True):
+        m = llama.LlamaModel(cfg, W, clone_kv(prefix), device="cpu", nw=8, tagged=tg, attn_merge=merge,
+                             defines={"MEGART_STREAM_SLOTS": slots})
+        m.reset(cfg.prefill, 5)
+        out = hostsim.run(m.pk, steps=2)
+        res[tg] = {k: (tagged.values(v) if m.pk.graph.tensors[k].tagged else v).clone() for k, v in out.items()}
+        if tg:
+            for t in m.pk.graph.tagged_tensors():
+                assert set(tagged.tags(out[t.name]).tolist()) == {step_tag(m.pk._hostsim_steps)}, t.name
+    assert res[True].keys() == res[False].keys()
+    for k in res[False]:
+        assert torch.equal(res[True][k], res[False][k]), k
+
+
+def test_explicit_dependencies_with_tagged_vectors_give_the_same_bits(tiny_pair):
+    """deps="explicit" (infer=False calls with after= edges) still polls the tagged words: it waits on events
+    the inferred graph does not, and computes the same bits."""
+    cfg, W, prefix = tiny_pair
+    out = {}
+    for deps in ("explicit", "infer"):
+        m = llama.LlamaModel(cfg, W, clone_kv(prefix), device="cpu", nw=8, deps=deps)
+        assert m.tagged and m.pk.schedule.polls
+        out[deps] = m.step(3, cfg.prefill)[0].clone()
+    assert torch.equal(out["explicit"], out["infer"])
