@@ -4,7 +4,7 @@ the HBM floor, all measured in this one process (the floor and torch.compile run
     PYTHONPATH=. python bench/llama_decode.py [--configs 1b,1b_128,1b_fp8,1b_fp8_all,1b_32k,block8b] [--steps 300]
                                               [--out out/llama_decode] [--compile-modes max-autotune]
 
-fp8: 1b_fp8 is the fused gate/up (the default), 1b_fp8_all adds the fp8 LM head; --configs 1b_fp8_split
+fp8: 1b_fp8 is the fused gate/up (the default), 1b_fp8_all adds the fp8 LM head and fp8 QKV (1b_fp8_head: the head only); --configs 1b_fp8_split
 times the older split gate/up (gemv_m1_fp8 + silu_mul) for comparison.
 
 Checkpoint shapes (issue 10): --configs 3b,8b,qwen3_0.6b,qwen3_8b,g7_7b (Llama-3.2-3B: GQA group 3;

@@ -44,6 +44,8 @@ MODE_TAGGED_X = 16    # qkv_rope_append's x is a tagged tensor (megart/tagged.py
 SMEM_QKV = DENSE_SCRATCH + 2 * QKV_MAX_D + 4 * QKV_MAX_ROWS
 SMEM_ATTN_MERGE = 4 * ATTN_STAGE_WARPS * ATTN_SUBGROUP * (max(ATTN_HD) + 2)   # [warp][group][hd + m, l]
 ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
+# qkv_rope_append(_fp8): their shared body after the attention and dense headers it uses
+QKV_HEADERS = ATTENTION_HEADERS + DENSE_HEADERS + ("tasks/qkv_common.cuh",)
 # declared here, emitted into the kernel as megart_attn::k* before tasks/attention_common.cuh
 header_constants(ATTENTION_HEADERS[0], "megart_attn", {
     "kModeRope": MODE_ROPE, "kModeNorm": MODE_NORM, "kModeCache": MODE_CACHE, "kModeHeadNorm": MODE_HEAD_NORM,
@@ -92,8 +94,9 @@ def _sub_counts(total, n, cap):
 
 
 def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q, n_kv, hd, norm_weight=None,
-               eps=1e-5, max_seq=None, kv_refs="strict", q_norm=None, k_norm=None):
-    T = "qkv_rope_append"
+               eps=1e-5, max_seq=None, kv_refs="strict", q_norm=None, k_norm=None, scale=None,
+               T="qkv_rope_append"):
+    fp8 = T == "qkv_rope_append_fp8"     # e4m3 rows, one f32 scale per row (`scale`, [rows])
     qr, kr, vr, wr = as_ref(q, "q"), as_ref(k_cache, "k_cache"), as_ref(v_cache, "v_cache"), as_ref(w_qkv, "w_qkv")
     xr, cr, sr, pr = as_ref(x, "x"), as_ref(cos, "cos"), as_ref(sin, "sin"), as_ref(pos, "pos")
     require(hd in ATTN_HD, T, f"hd must be one of {ATTN_HD}, got {hd}")
@@ -111,6 +114,11 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
                 f"{name} must be [>= max_seq ({ms}), hd/2 ({half})] f32, has {ref.count} elements")
     require(pr.count == 1, T, f"pos must be a single i32 element, has {pr.count}")
     _aligned16(wr, "w_qkv", T)
+    if fp8:
+        require(d % 16 == 0, T, f"d = {d} must be a multiple of 16 for e4m3 rows (16 weights a 16-byte chunk)")
+        require(scale is not None, T, "scale (f32, one per row of w_qkv) is required")
+        scr = as_ref(scale, "scale")
+        require(scr.count == rows, T, f"scale has {scr.count} elements, w_qkv has {rows} rows")
     _aligned16(xr, "x", T)
     mode_norm = 0
     nr = None
@@ -158,13 +166,16 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
                 dst = cache.tensor.ref(base + a, end - a)   # whole head when nsub == 1
                 dst2 = dst
                 mode = MODE_CACHE | (MODE_ROPE if kind == "k" else 0)
-            dummy = w_ref.tensor.ref(w_ref.offset, 1)     # an unused pointer param still needs a valid ref
+            # an unused pointer: qkv_rope_append's needs a valid ref (its bf16 weights), the fp8 form's is null
+            dummy = None if fp8 else w_ref.tensor.ref(w_ref.offset, 1)
             hn = head_norm.get(kind)
             if hn is not None:
                 mode |= MODE_HEAD_NORM
             out.append(dict(w=w_ref, x=xr, norm_weight=nr if nr is not None else dummy,
                             cos=cr, sin=sr, pos=pr, dst=dst, dst2=dst2, head_norm=hn if hn is not None else dummy,
                             mode=mode | mode_norm, npairs=b - a, pair0=a, d=d, half=half, max_seq=ms, eps=eps))
+            if fp8:    # (the scales of the same rows as w: the instance's first row on)
+                out[-1]["scale"] = scr.tensor.ref(scr.offset + row0 + a, half + b - a)
     return out
 
 
@@ -183,6 +194,8 @@ def _qkv_ref(p) -> None:
     w = p.w.view(-1, d)
     lo = w[:n].float() @ x
     hi = w[half:half + n].float() @ x
+    if hasattr(p, "scale"):     # qkv_rope_append_fp8: each row's scale after its fp32 dot, as the device
+        lo, hi = lo * p.scale[:n], hi * p.scale[half:half + n]
     if p.mode & MODE_HEAD_NORM:     # the instance holds the whole head (n == half)
         inv = torch.rsqrt((lo * lo + hi * hi).sum() / (2 * n) + torch.tensor(p.eps, dtype=torch.float32))
         g = p.head_norm.float()
@@ -201,10 +214,11 @@ def _qkv_ref(p) -> None:
         p.dst2.copy_(hi.to(torch.bfloat16))
 
 
-def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, q_norm=None, **_):
+def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, q_norm=None, scale=None, **_):
     wr, d = as_ref(w_qkv, "w_qkv"), as_ref(x, "x").count
     head_norms = 2 * hd * 2 if q_norm is not None else 0          # q_norm and k_norm gains (Qwen3), bf16 [hd] each
-    nbytes = wr.count * 2 + d * 2 + (d * 2 if norm_weight is not None else 0) + head_norms \
+    w_bytes = wr.count * wr.tensor.itemsize + (as_ref(scale, "scale").count * 4 if scale is not None else 0)
+    nbytes = w_bytes + d * 2 + (d * 2 if norm_weight is not None else 0) + head_norms \
         + n_q * hd * 2 + 2 * n_kv * hd * 2
     return Cost(bytes=nbytes, flops=2 * wr.count)
 
@@ -217,10 +231,26 @@ register(TaskType(
             ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"), ptr("head_norm", "bf16", "weight"),
             scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
             scalar("eps", "f32")),
-    source="tasks/qkv_rope_append.cuh", headers=ATTENTION_HEADERS + DENSE_HEADERS, reference=_qkv_ref,
+    source="tasks/qkv_rope_append.cuh", headers=QKV_HEADERS, reference=_qkv_ref,
     split=_qkv_split, cost=_qkv_cost, smem_bytes=SMEM_QKV, prefetch=True, stream=True,
     doc="q, k, v = (rmsnorm(x)) @ w_qkv.T; optional per-head RMSNorm of q, k (q_norm / k_norm, Qwen3); "
         "rotate-half RoPE on q, k at the device position pos; k, v appended to the caches at row pos."), builtin=True)
+
+
+register(TaskType(
+    name="qkv_rope_append_fp8", id=67, hostsim=True,
+    params=(ptr("w", "fp8e4m3", "weight"), ptr("x", "bf16", "in", tagged=True),
+            ptr("norm_weight", "bf16", "weight", optional=True),
+            ptr("cos", "f32", "weight"), ptr("sin", "f32", "weight"), ptr("pos", "i32", "in"),
+            ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"), ptr("head_norm", "bf16", "weight", optional=True),
+            scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
+            scalar("eps", "f32"), ptr("scale", "f32", "weight")),
+    source="tasks/qkv_rope_append_fp8.cuh", headers=QKV_HEADERS, reference=_qkv_ref,
+    split=lambda nw, tiles=1, **kw: _qkv_split(nw, tiles, T="qkv_rope_append_fp8", **kw), cost=_qkv_cost,
+    smem_bytes=SMEM_QKV, prefetch=True, stream=True,
+    doc="qkv_rope_append over e4m3 rows of w_qkv with one f32 scale per row (`scale`, [rows]): each dot times "
+        "its row's scale, then the head norm, RoPE and the stores as qkv_rope_append. d a multiple of 16."),
+    builtin=True)
 
 
 # --- attention_decode ------------------------------------------------------------------------------------

@@ -1,99 +1,13 @@
-// qkv_rope_append: fused (optional RMSNorm) + Q/K/V projection + RoPE + KV-cache append, M = 1.
-//
-// One instance = one head of w_qkv (q, k or v) restricted to the rotate-half pairs
-// [pair0, pair0 + npairs): rows pair0 + j and half + pair0 + j of the head (w points at the first).
-// The dots come from the dense matvec engine (tasks/dense_common.cuh): x staged in shared memory (with
-// the fused RMSNorm, rounded to bf16 like an unfused rmsnorm task's output), one warp per row pair
-// (j, half + j), so the weights can come through the launch-wide weight stream like any dense GEMV's.
-// The epilogue (one thread per pair) applies the optional per-head RMSNorm and RoPE in fp32 and rounds to bf16.
-//
-// mode bits: 1 = RoPE (q, k heads), 2 = fused RMSNorm of x (norm_weight valid), 4 = destination is a cache
-// head (row `pos`, stride 2 * half) rather than q, 8 = RMSNorm of the head's own fp32 dots with the gain
-// head_norm [hd] before RoPE (Qwen3's q_norm / k_norm; the splitter then gives the instance the whole head). dst gets the low half of each pair, dst2 the high half
-// (q: dst2 points at it; cache: dst2 == dst and the high half is + half).
-// (shared helpers: tasks/attention_common.cuh, tasks/dense_common.cuh)
-
-namespace megart_attn {
-// kQkvMaxRows (2 * half; hd <= 128), kQkvMaxD and the kMode* bits: generated from tasks/attention.py
-
-// Pair j of the instance: rows j and half + j after w.
-struct QkvRows {
-  const char* w;
-  long long row_bytes;
-  int half;
-  __device__ __forceinline__ void operator()(int g, const void* (&p)[2]) const {
-    p[0] = w + g * row_bytes;
-    p[1] = w + (half + g) * row_bytes;
-  }
-  __device__ __forceinline__ megart::dense::StreamRows stream_rows() const {
-    return megart::dense::StreamRows{w, w + half * row_bytes, row_bytes, 0x7fffffff};
-  }
-};
-}  // namespace megart_attn
-
+// qkv_rope_append: fused (optional RMSNorm) + Q/K/V projection + RoPE + KV-cache append, M = 1, bf16 weights.
+// The body is megart_attn's qkv_body (tasks/qkv_common.cuh, with the mode bits and the instance layout).
 template <class P>
 __device__ __forceinline__ auto plan_qkv_rope_append(const P& p) {
-  return megart::dense::MatvecPlan<megart_attn::QkvRows>{
-      p.npairs, p.d >> 3, megart_attn::QkvRows{reinterpret_cast<const char*>(p.w), 2ll * p.d, p.half}};
+  return qkv_plan(p);
 }
-
 template <class P>
 __device__ __forceinline__ void megart_task_qkv_rope_append(const P& p, char* smem) {
-  namespace dn = megart::dense;
-  namespace at = megart_attn;
-  const int pos = at::ld_in_i32(p.pos);
-  const int np = p.npairs, half = p.half, lane = threadIdx.x & 31;
-  uint4* xs = dn::xs_of(smem);
-  float* scratch = dn::scratch_of(smem);
-  float* dots = reinterpret_cast<float*>(smem + dn::kScratchBytes + 2 * at::kQkvMaxD);  // [np] lo, then [np] hi
-  dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch, dn::PartsSum{},
-              (p.mode & at::kModeTaggedX) != 0);
-  // (an out-of-range position still reads its weights: a streamed type consumes every stage it declared)
-  dn::matvec_streamed<false, P>(plan_qkv_rope_append(p), xs, scratch, [&](int g, float lo, float hi) {
-    if (lane == 0) {
-      dots[g] = lo;
-      dots[np + g] = hi;
-    }
-  });
-  __syncthreads();
-  if (pos < 0 || pos >= p.max_seq) return;  // out-of-range position: the instance writes nothing
-
-  // per-head RMSNorm (mode 8): the mean square over all 2 * np == hd dots of the head, fp32
-  float head_inv = 1.f;
-  if (p.mode & at::kModeHeadNorm) {  // uniform over the CTA, so every thread reaches block_sum
-    float ss = 0.f;
-    for (int j = threadIdx.x; j < np; j += MEGART_THREADS) ss = fmaf(dots[j], dots[j], fmaf(dots[np + j], dots[np + j], ss));
-    ss = megart::block_sum(ss, scratch);
-    head_inv = rsqrtf(ss / (float)(2 * np) + p.eps);
-  }
-
-  for (int j = threadIdx.x; j < np; j += MEGART_THREADS) {
-    float lo = dots[j], hi = dots[np + j];
-    if (p.mode & at::kModeHeadNorm) {
-      lo = lo * head_inv * __bfloat162float(p.head_norm[p.pair0 + j]);
-      hi = hi * head_inv * __bfloat162float(p.head_norm[half + p.pair0 + j]);
-    }
-    float out_lo = lo, out_hi = hi;
-    if (p.mode & at::kModeRope) {  // rotate-half RoPE on the pair (j, j + half), fp32
-      const long long t = (long long)pos * half + p.pair0 + j;
-      const float c = p.cos[t], s = p.sin[t];
-      out_lo = lo * c - hi * s;
-      out_hi = hi * c + lo * s;
-    }
-    const long long row = (p.mode & at::kModeCache) ? (long long)pos * 2 * half : 0;
-    const int hoff = (p.mode & at::kModeCache) ? half : 0;
-    p.dst[row + j] = __float2bfloat16_rn(out_lo);
-    p.dst2[row + hoff + j] = __float2bfloat16_rn(out_hi);
-  }
+  qkv_body(p, smem);
 }
-
-// Before the instance's waits: pull this instance's W rows (both halves of its pairs) and the norm gain
-// into L2. None of them depends on another task.
 __device__ __forceinline__ void megart_prefetch_qkv_rope_append(const megart_params_qkv_rope_append& p) {
-  if (threadIdx.x == 0) {
-    const unsigned long long bytes = (unsigned long long)p.npairs * (unsigned long long)p.d * 2ull;
-    megart::prefetch_l2(p.w, bytes);
-    megart::prefetch_l2(p.w + (long long)p.half * p.d, bytes);
-    if (p.mode & megart_attn::kModeNorm) megart::prefetch_l2(p.norm_weight, (unsigned long long)p.d * 2ull);
-  }
+  qkv_prefetch(p);
 }

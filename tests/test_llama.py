@@ -162,7 +162,7 @@ def test_full_size_graph_compiles_without_spills(name):
     lay = m.pk.stream_layout()
     assert (lay.slots == 0) == (m.pk.stream_declined is not None), (lay, m.pk.stream_declined)
     if name in ("1b", "1b_fp8", "1b_fp8_split", "1b_fp8_all", "block8b"):
-        assert lay.slots == 5 and "qkv_rope_append" in lay.types
+        assert lay.slots == 5 and ("qkv_rope_append_fp8" if cfg.fp8_qkv else "qkv_rope_append") in lay.types
     types = {i.type.name for i in s.instances}
     if cfg.wdtype == "fp8":       # fused (the default): one call fewer per layer, no silu_mul
         fused = cfg.fp8_gate_up == "fused"

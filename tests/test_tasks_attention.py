@@ -509,14 +509,18 @@ def test_bad_shapes_are_refused():
 
 def test_shared_helpers_are_emitted_once():
     """The attention bodies share tasks/attention_common.cuh, declared once and emitted once per kernel
-    (qkv_rope_append also runs on the dense matvec engine: tasks/dense_common.cuh, once too)."""
+    (qkv_rope_append also runs on the dense matvec engine: tasks/dense_common.cuh, once too; its fp8 form
+    shares its body, tasks/qkv_common.cuh, once with both in the kernel)."""
     from megart import codegen, registry
-    types = [registry.get(n) for n in ("qkv_rope_append", "attention_decode", "attention_merge")]
+    types = [registry.get(n) for n in ("qkv_rope_append", "qkv_rope_append_fp8", "attention_decode",
+                                       "attention_merge")]
     assert all(t.headers[0] == "tasks/attention_common.cuh" for t in types)
-    assert types[0].headers == ("tasks/attention_common.cuh", "tasks/dense_common.cuh")
+    assert types[0].headers == types[1].headers == (
+        "tasks/attention_common.cuh", "tasks/dense_common.cuh", "tasks/qkv_common.cuh")
     src = codegen.generate(types, codegen.KernelConfig()).text
     assert src.count("namespace megart_attn {\n#ifdef __CUDA_ARCH__\n// 16 bytes of a weight") == 1
     assert src.count("constexpr int kQkvMaxD = 8192;") == 1       # its generated constants, once too
+    assert src.count("__device__ __forceinline__ void qkv_body(") == 1
     for t in types:
         assert "ld_weight16(const void*" not in (ROOT / t.source).read_text()
 
@@ -534,3 +538,58 @@ def test_costs():
     assert a.bytes >= 2 * n_kv * (pos + 1) * hd * 2     # the KV bytes are the floor
     m = registry.get("attention_merge").cost(n_q=n_q, n_kv=n_kv, hd=hd, chunks=16)
     assert m.bytes > 0
+
+
+def build_qkv_fp8(pk, sh, max_seq, pos, dev="cpu", tiles=NW):
+    """qkv_rope_append_fp8 over quantize_fp8(w) (per-row scales), and the fp32 chain's q, k row, v row over the
+    dequantised weights."""
+    from megart.models.llama_config import dequant, quantize_fp8
+    n_q, n_kv, hd, d = sh["n_q"], sh["n_kv"], sh["hd"], sh["d"]
+    w, x, nwt = qkv_m1(n_q, n_kv, hd, d, seed=hd)
+    w8, scale = quantize_fp8(w)
+    cs, sn = rope_tables(max_seq, hd, THETA)
+    _, k, v = attention_m1(n_q, n_kv, hd, 0, max_seq, seed=100)
+    T = lambda a, name: pk.tensor(a.clone().to(dev), name)  # noqa: E731
+    t = dict(q=T(torch.zeros(n_q * hd, dtype=torch.bfloat16), "q"), k=T(k, "k"), v=T(v, "v"))
+    pk.task("qkv_rope_append_fp8", q=t["q"], k_cache=t["k"], v_cache=t["v"], w_qkv=T(w8, "w"),
+            scale=T(scale, "scale"), x=T(x, "x"), norm_weight=T(nwt, "norm_w"), eps=1e-5, cos=T(cs, "cos"),
+            sin=T(sn, "sin"), pos=T(torch.tensor([pos], dtype=torch.int32), "pos"), n_q=n_q, n_kv=n_kv, hd=hd,
+            tiles=tiles)
+    return t, ref_qkv_rope_append(x, dequant(w8, scale), cs, sn, pos, n_q, n_kv, hd, nwt, 1e-5)
+
+
+@pytest.mark.parametrize("hd,pos", [(64, 5), (128, 777)])
+def test_qkv_fp8_matches_the_dequantised_projection(hd, pos):
+    """qkv_rope_append_fp8: e4m3 rows with per-row f32 scales give the bf16 projection of the dequantised
+    weights (the same fp32 chain), in the emulator and in the host-run CUDA body, which agree closely."""
+    from megart.emulate import hostsim
+    sh, ms = SHAPES[hd], 1024
+    outs = {}
+    for how in ("emulator", "host-run body"):
+        pk = megart.PersistentKernel(nw=NW, device="cpu")
+        t, (q_ref, k_ref, v_ref) = build_qkv_fp8(pk, sh, ms, pos)
+        compiled(pk)
+        h = pk.emulate() if how == "emulator" else hostsim.run(pk, seed=1)
+        check(h["q"], q_ref, TOL_QKV, f"q ({how})")
+        check(h["k"][:, pos], k_ref, TOL_QKV, f"k row ({how})")
+        check(h["v"][:, pos], v_ref, TOL_QKV, f"v row ({how})")
+        outs[how] = torch.cat([h["q"].float(), h["k"][:, pos].float().reshape(-1), h["v"][:, pos].float().reshape(-1)])
+    assert rel(outs["host-run body"], outs["emulator"]) <= TOL_QKV / 4
+
+
+def test_qkv_fp8_needs_a_scale_per_row():
+    sh = SHAPES[64]
+    pk = megart.PersistentKernel(nw=NW, device="cpu")
+    n_q, n_kv, hd, d = sh["n_q"], sh["n_kv"], sh["hd"], sh["d"]
+    T = lambda a, name: pk.tensor(a, name)  # noqa: E731
+    kw = dict(q=T(torch.zeros(n_q * hd, dtype=torch.bfloat16), "q"),
+              k_cache=T(torch.zeros(n_kv, 64, hd, dtype=torch.bfloat16), "k"),
+              v_cache=T(torch.zeros(n_kv, 64, hd, dtype=torch.bfloat16), "v"),
+              w_qkv=T(torch.zeros((n_q + 2 * n_kv) * hd, d, dtype=torch.float8_e4m3fn), "w"),
+              x=T(torch.zeros(d, dtype=torch.bfloat16), "x"), cos=T(torch.zeros(64, hd // 2), "cos"),
+              sin=T(torch.zeros(64, hd // 2), "sin"), pos=T(torch.zeros(1, dtype=torch.int32), "pos"),
+              n_q=n_q, n_kv=n_kv, hd=hd)
+    with pytest.raises(megart.GraphError, match="scale has 3 elements, w_qkv has 3072 rows"):
+        pk.task("qkv_rope_append_fp8", scale=T(torch.ones(3), "scale"), **kw)
+    with pytest.raises(megart.GraphError, match="scale .* is required"):
+        pk.task("qkv_rope_append_fp8", **kw)

@@ -283,8 +283,9 @@ class LlamaModel:
         q = T(self.q[l], p + "q")
         kct, vct = T(kc, p + "k_cache"), T(vc, p + "v_cache")
         qk_norm = dict(q_norm=T(L["q_norm"], p + "q_norm"), k_norm=T(L["k_norm"], p + "k_norm")) if c.qk_norm else {}
-        g_qkv = self._task(p + "qkv", "qkv_rope_append", [g_prev, g_pos],
-                           q=q, k_cache=kct, v_cache=vct, w_qkv=T(L["wqkv"], p + "wqkv"), x=x,
+        fp8 = dict(scale=T(L["swqkv"], p + "swqkv")) if c.fp8_qkv else {}
+        g_qkv = self._task(p + "qkv", "qkv_rope_append_fp8" if c.fp8_qkv else "qkv_rope_append", [g_prev, g_pos],
+                           q=q, k_cache=kct, v_cache=vct, w_qkv=T(L["wqkv"], p + "wqkv"), x=x, **fp8,
                            norm_weight=T(L["in_norm"], p + "in_norm"), eps=c.eps, cos=cos, sin=sin, pos=pos,
                            n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, kv_refs=self.kv_refs, tiles=tl["qkv"], **qk_norm)
         po, pm = T(self.part_o[l], p + "part_o"), T(self.part_ml[l], p + "part_ml")

@@ -47,6 +47,9 @@ class LlamaConfig:
     # copy for the embedding lookup). Timed at 879.3 us/step with the fused gate/up (1b_fp8_all, against
     # 1b_fp8's 897.2), but quantising the LM head is a precision choice the user makes: off by default.
     fp8_head: bool = False
+    # fp8 only: the fused QKV projection as e4m3 + per-row f32 scales (qkv_rope_append_fp8); with fp8_head,
+    # every matrix the step streams is e4m3 ("1b_fp8_all")
+    fp8_qkv: bool = False
 
     def __post_init__(self):
         if self.wdtype not in ("bf16", "fp8"):
@@ -55,6 +58,8 @@ class LlamaConfig:
             raise ValueError(f"fp8_gate_up must be 'split' or 'fused', got {self.fp8_gate_up!r}")
         if self.fp8_head and self.wdtype != "fp8":
             raise ValueError("fp8_head needs wdtype='fp8'")
+        if self.fp8_qkv and self.wdtype != "fp8":
+            raise ValueError("fp8_qkv needs wdtype='fp8'")
         if self.n_q % self.n_kv:
             raise ValueError(f"n_q={self.n_q} must be a multiple of n_kv={self.n_kv}")
         if self.hd % 2:
@@ -87,10 +92,11 @@ class LlamaConfig:
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step streams (norm gains included; the embedding row ignored).
-        fp8: e4m3 o/gate/up/down + f32 scales; QKV stays bf16, the LM head too unless fp8_head."""
+        fp8: e4m3 o/gate/up/down + f32 scales; QKV stays bf16 unless fp8_qkv, the LM head unless fp8_head."""
         qkv, rest = self.qkv_rows * self.d, self.layer_params() - self.qkv_rows * self.d
         if self.wdtype == "fp8":
-            per_layer = qkv * 2 + rest + (self.d + 2 * self.ffn + self.d) * 4
+            qkv_bytes = qkv + self.qkv_rows * 4 if self.fp8_qkv else qkv * 2
+            per_layer = qkv_bytes + rest + (self.d + 2 * self.ffn + self.d) * 4
         else:
             per_layer = (qkv + rest) * 2
         per_layer += 2 * self.d * 2
@@ -186,7 +192,10 @@ CONFIGS = {
     "1b_128": lambda: llama_1b(128),      # the short context Hazy Research's Llama-1B megakernel was timed at
     "1b_fp8": lambda: llama_1b_fp8(),     # the fused fp8 gate/up (the default)
     "1b_fp8_split": lambda: llama_1b_fp8().with_(name="llama1b_fp8_split", fp8_gate_up="split"),
-    "1b_fp8_all": lambda: llama_1b_fp8().with_(name="llama1b_fp8_all", fp8_gate_up="fused", fp8_head=True),
+    "1b_fp8_all": lambda: llama_1b_fp8().with_(name="llama1b_fp8_all", fp8_gate_up="fused", fp8_head=True,
+                                               fp8_qkv=True),
+    # (1b_fp8_all before fp8 QKV existed: bf16 QKV, e4m3 everything else)
+    "1b_fp8_head": lambda: llama_1b_fp8().with_(name="llama1b_fp8_head", fp8_gate_up="fused", fp8_head=True),
     "block8b": block_8b,
     "small": small,
     "3b": llama_3b,
@@ -197,7 +206,8 @@ CONFIGS = {
     "tiny": tiny,
     "tiny_fp8": lambda: tiny(wdtype="fp8"),
     "tiny_fp8_split": lambda: tiny(wdtype="fp8").with_(name="tiny_fp8_split", fp8_gate_up="split"),
-    "tiny_fp8_all": lambda: tiny(wdtype="fp8").with_(name="tiny_fp8_all", fp8_gate_up="fused", fp8_head=True),
+    "tiny_fp8_all": lambda: tiny(wdtype="fp8").with_(name="tiny_fp8_all", fp8_gate_up="fused", fp8_head=True,
+                                                     fp8_qkv=True),
     "tiny_block": lambda: tiny(vocab=0),
 }
 
@@ -211,15 +221,16 @@ def config(name: str) -> LlamaConfig:
 
 # --- weights -----------------------------------------------------------------------------------------
 LINEARS = ("wqkv", "wo", "wg", "wu", "wd")
-# Matrices the fp8 variant quantises. The fused QKV projection (qkv_rope_append) has no e4m3 form in the
-# task library yet, so it stays bf16 in every variant; the LM head is e4m3 only with cfg.fp8_head.
+# Matrices the fp8 variant quantises; the fused QKV projection too with cfg.fp8_qkv (qkv_rope_append_fp8),
+# the LM head with cfg.fp8_head.
 FP8_LINEARS = ("wo", "wg", "wu", "wd")
 
 
 @dataclass
 class LlamaWeights:
     """layers[i]: in_norm, post_norm (bf16 [d]); wqkv (rows: q heads, k heads, v heads), wo, wg, wu, wd
-    in bf16; fp8: wo, wg, wu, wd in e4m3 with an f32 per-row scale under `s<name>` (e.g. `swo`), and
+    in bf16; fp8: wo, wg, wu, wd (and wqkv with cfg.fp8_qkv) in e4m3 with an f32 per-row scale under
+    `s<name>` (e.g. `swo`), and
     wg / wu are the two halves of one [2 ffn, d] matrix `wgu` (scales `swgu`).
     embed / head: bf16 [vocab, d], the same tensor when tied, two when not; with cfg.fp8_head the head is
     e4m3 with per-row f32 scales `shead` (tied: quantised from the bf16 table, which stays the embedding).
@@ -292,7 +303,7 @@ def make_weights(cfg: LlamaConfig, seed: int = 0, device="cpu", init: str = "ran
             L["q_norm"], L["k_norm"] = gain(cfg.hd), gain(cfg.hd)
         for name, (r, c) in (("wqkv", (cfg.qkv_rows, cfg.d)), ("wo", (cfg.d, cfg.n_q * cfg.hd)),
                              ("wg", (cfg.ffn, cfg.d)), ("wu", (cfg.ffn, cfg.d)), ("wd", (cfg.d, cfg.ffn))):
-            w, s = mat(r, c, cfg.wdtype == "fp8" and name in FP8_LINEARS)
+            w, s = mat(r, c, cfg.wdtype == "fp8" and (name in FP8_LINEARS or (name == "wqkv" and cfg.fp8_qkv)))
             L[name] = w
             if s is not None:
                 L["s" + name] = s

@@ -13,7 +13,7 @@ from megart.geometry.attention import attention_m1, ref_attention_decode, ref_qk
 from megart.geometry.attention import chunk_range
 
 import test_tasks_attention as cpu
-from test_tasks_attention import SHAPES, TOL_ATTN, TOL_QKV, build_attention, build_qkv, check
+from test_tasks_attention import SHAPES, TOL_ATTN, TOL_QKV, build_attention, build_qkv, build_qkv_fp8, check
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +50,20 @@ def test_qkv_rope_append_gpu(cuda, hd, pos, norm, kv_refs):
     keep = torch.ones(ms, dtype=torch.bool)
     keep[pos] = False
     assert torch.equal(got["k"][:, keep], r["k0"][:, keep]) and torch.equal(got["v"][:, keep], r["v0"][:, keep])
+
+
+@pytest.mark.parametrize("hd,pos", [(64, 5), (128, 777)])
+def test_qkv_fp8_gpu(cuda, hd, pos):
+    """qkv_rope_append_fp8 on the GPU against the fp32 chain over the dequantised weights."""
+    sh, ms = SHAPES[hd], 1024
+    pk = megart.PersistentKernel(nw=sms())
+    t, (q_ref, k_ref, v_ref) = build_qkv_fp8(pk, sh, ms, pos, dev="cuda", tiles=sms())
+    pk.compile()
+    assert pk.report.spill_bytes == 0
+    pk()
+    check(t["q"].data.cpu(), q_ref, TOL_QKV, "q")
+    check(t["k"].data[:, pos].cpu(), k_ref, TOL_QKV, "k row")
+    check(t["v"].data[:, pos].cpu(), v_ref, TOL_QKV, "v row")
 
 
 def test_qkv_pos_out_of_range_gpu(cuda):
