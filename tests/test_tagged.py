@@ -154,3 +154,14 @@ def test_explicit_dependencies_with_tagged_vectors_give_the_same_bits(tiny_pair)
         assert m.tagged and m.pk.schedule.polls
         out[deps] = m.step(3, cfg.prefill)[0].clone()
     assert torch.equal(out["explicit"], out["infer"])
+
+
+def test_bad_tagged_options_are_refused_by_name():
+    from megart.layout import HANG_POLL
+    from megart.stream import hang_site
+    assert "tagged words polled" in hang_site(HANG_POLL)       # the HangError's event name for a poll
+    with pytest.raises(ValueError, match="tagged must be True or False"):
+        llama.LlamaModel(llama.tiny(), device="cpu", nw=8, tagged="yes", compile=False)
+    from megart.models.llama_tp import LlamaTPGroup
+    with pytest.raises(megart.GraphError, match="LlamaTPRank does not take tagged=True"):
+        LlamaTPGroup(llama.tiny(), 2, nw=8, tagged=True)
