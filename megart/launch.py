@@ -85,8 +85,12 @@ class DeviceRuntime:
                               f"{len(schedule.events)} int32")
         self.events = events
         self.sync_words = [t.data for t in schedule.graph.sync_tensors()]
-        # tagged words an aborted step wrote: the next launch runs step 1 again, whose tag they may carry
-        self.sync_words += [t.data for t in schedule.graph.tagged_tensors()]
+        # tagged words an aborted step wrote: the next launch runs step 1 again, whose tag they may carry. Zeroed
+        # here too: this kernel's steps count from 1, and words another kernel's step 1 wrote would pass for its
+        tagged = [t.data for t in schedule.graph.tagged_tensors()]
+        for t in tagged:
+            t.zero_()
+        self.sync_words += tagged
         self.peer_bases = tuple(int(b) for b in peer_bases)
         self.ctrl = torch.zeros(CTRL_WORDS + len(self.peer_bases), dtype=torch.int64, device=device)
         self._set_peer_bases()

@@ -11,7 +11,9 @@ on the critical path of a decode step (docs/ARCHITECTURE.md, "Tagged tensors").
     megart.tagged.values(h)                            # the bf16 values (a strided view, no copy)
 
 Rules the graph enforces: a tagged tensor's bytes are written by at most one instance per step, a polled
-read follows the write of every byte it reads, and only parameters declared tagged=True take one.
+read follows the write of every byte it reads, and only parameters declared tagged=True take one. A tagged
+tensor belongs to the one kernel that writes it: the kernel zeroes it when it is set up on the GPU and after
+an abort (its steps count from 1 again), and nothing else should write it.
 """
 from __future__ import annotations
 
