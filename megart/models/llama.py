@@ -5,7 +5,8 @@
     logits, token = m.step(token=1234, pos=m.cfg.prefill)
     tokens = m.generate(100)                        # greedy: token and pos stay on the device
 
-Graph, per step (every call spread over ~nw workers; all dependencies are events, no grid barrier):
+Graph, per step (every call spread over ~nw workers; dependencies are events or polls of tagged words, no
+grid barrier):
 
     pos_advance                           pos = pos_next; pos_next += 1          (1 instance)
     embedding                             x[0] = table[token]                    (LM only)
@@ -24,6 +25,10 @@ no call ever overwrites what another call of the same step still reads: every de
 read-after-write on one producer call, i.e. one event per wait, and nothing needs a barrier. `pos` is
 written once, first (pos_advance), so its dozens of readers depend on one tiny instance instead of a
 step-end write that would have to wait for all of them.
+
+With tagged=True (the default on one GPU) the residual stream after the embedding, attention's merged output
+and h are tagged tensors (megart/tagged.py): o_proj, gate_up, down and the LM head poll the words they read
+instead of waiting on their writers' events, so of each layer's edges only qkv -> attention is an event.
 
 Dependencies are inferred from the byte ranges each call reads and writes (deps="infer", the default,
 about a second for the 1B graph): its subset events let attention for a kv head start once that head's
