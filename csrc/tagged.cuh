@@ -80,7 +80,11 @@ __device__ __forceinline__ void poll_spin8(const unsigned* w) {
     if ((iter & 31) == 0) {
       if (ld_relaxed(s_poll.ctrl + kCtrl_abort) != 0) return;
       if ((long long)(globaltimer() - start) > s_poll.watchdog_ns) {
-        raise_poll_hang((tags_match(a, a, s_poll.tag) ? b.x : a.x) >> 16);  // (a word without the tag, roughly)
+        const unsigned w8[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        unsigned seen = w8[0];
+        for (int k = 7; k >= 0; --k)
+          if ((w8[k] ^ s_poll.tag) >> 16) seen = w8[k];  // (the first word still without this step's tag)
+        raise_poll_hang(seen >> 16);
         return;
       }
     }

@@ -84,11 +84,6 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
   for (int i = q0; i < q1; ++i) {
     const int nxt = cur == 2 ? 0 : cur + 1, nxt2 = nxt == 2 ? 0 : nxt + 1;
     const TaskDesc& d = s_desc[cur];
-    // this thread's word of descriptor i+2 lands in its free slot while the body runs: an asynchronous copy,
-    // so no register holds it across the body (a held word was spilled around the bodies at the register cap)
-    if (threadIdx.x < kDescWords && i + 2 < q1)
-      copy_desc_word(reinterpret_cast<unsigned long long*>(&s_desc[nxt2]) + threadIdx.x,
-                     reinterpret_cast<const unsigned long long*>(descs + i + 2) + threadIdx.x);
     if (i + 1 < q1) megart_prefetch(s_desc[nxt]);
     megart_prewait(d, smem);  // loads that need no input (weights into shared memory) start before the wait
     if (threadIdx.x == 0) {
@@ -123,10 +118,15 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
     __syncthreads();
     if (!s_go) {
       megart_drain(d, smem);  // no copy may still be landing in shared memory when the CTA exits
-      copy_desc_wait();
       ok = false;
       break;
     }
+    // Descriptor i+2 lands in its slot while the body runs: an asynchronous copy, so no register holds it across
+    // the body (a held word was spilled around the bodies at the register cap). Not before the barrier above:
+    // the slot is instance i-1's, whose signals thread 0 reads at the end of the previous iteration.
+    if (threadIdx.x < kDescWords && i + 2 < q1)
+      copy_desc_word(reinterpret_cast<unsigned long long*>(&s_desc[nxt2]) + threadIdx.x,
+                     reinterpret_cast<const unsigned long long*>(descs + i + 2) + threadIdx.x);
 #ifdef MEGART_PROFILE
     if (threadIdx.x == 0) s_span_t[1] = s_span_mark[0] = s_span_mark[1] = globaltimer();
 #endif

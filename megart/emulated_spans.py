@@ -52,6 +52,8 @@ def emulated_records(s, per_cta_bw: float = FLOOR_BW / SMS, dispatch_ns: float =
                     q, p = s.worker_of[u], s.pos_of[u]
                     t = end[s.queues[q][p - 1]] if p > 0 else 0.0
                 ready = max(ready, t)
+        for u in s.polls.get(uid, ()):        # a polled read: its body starts once the words' writers ended
+            ready = max(ready, end[u])
         body = 0.0 if inst.type.id in registry.NO_BODY else dispatch_ns + _bytes(inst) / per_cta_bw * 1e9
         end[uid] = ready + body
         rows.append((inst.type.id, uid, w, w, round(wait_start), round(ready), round(end[uid]), 1,

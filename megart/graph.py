@@ -101,6 +101,11 @@ class Graph:
         if name in self.tensors:
             raise GraphError(f"a tensor named {name!r} already exists")
         t = Tensor(obj, name, self.device, tagged=tagged)
+        other = next((o for o in self.tensors.values() if o.storage_key == t.storage_key and o.tagged != t.tagged),
+                     None)
+        if other is not None:   # (a plain view would read or write the words unordered with the polls)
+            raise GraphError(f"tensor {name!r} shares memory with {other.name!r}, and only one of them is tagged: "
+                             "tagged words are read and written through tagged tensors only")
         self.tensors[name] = t
         return t
 
@@ -161,6 +166,7 @@ class Graph:
                                  f"got {ev!r}")
         self._check_peer(ttype.name, waits, signals)
         per_instance = self._split(ttype, tiles, args)
+        self._check_tagged(ttype, per_instance)     # (before anything is recorded: a refused call adds nothing)
         self._check_weights(ttype, per_instance)
         workers = self._workers(ttype, worker, len(per_instance))
         g = Group(len(self.groups), ttype, [], label or ttype.name, dict(args))
@@ -170,7 +176,6 @@ class Graph:
                 raise GraphError(f"{ttype.name}: after= takes groups returned by this kernel's task()/barrier(); "
                                  f"{_group_name(other)} is not one")
             after_uids.update(other.uids)
-        self._check_tagged(ttype, per_instance)
         for params, w in zip(per_instance, workers):
             inst = Instance(len(self.instances), g.index, ttype, params, self.epoch, worker=w,
                             waits=list(waits), signals=list(signals), inferred=infer)
@@ -230,6 +235,10 @@ class Graph:
                     raise GraphError(f"{ttype.name}: tensor {ref.tensor.name!r} is tagged (bf16 values with step "
                                      f"tags), and parameter {p.name!r} does not take tagged words")
                 if ref.tensor.dtype != p.dtype and not (ref.tensor.tagged and p.tagged):
+                    if p.tagged and ref.tensor.dtype == "i32":
+                        raise GraphError(f"{ttype.name}: parameter {p.name!r} needs bf16 or tagged words; tensor "
+                                         f"{ref.tensor.name!r} is i32 (tagged words are added with "
+                                         "pk.tensor(..., tagged=True))")
                     raise GraphError(f"{ttype.name}: parameter {p.name!r} needs {p.dtype}, "
                                      f"tensor {ref.tensor.name!r} is {ref.tensor.dtype}")
                 if self.tensors.get(ref.tensor.name) is not ref.tensor:
@@ -308,10 +317,17 @@ class Graph:
         watchdog). Records the writes in `maps` (storage key -> AccessMap) and returns the writers instance
         `uid` polls; whatever else orders them, it is not a wait."""
         polled = set()
-        for p in ttype.params:
+        tagged = [p for p in ttype.params if p.kind == "ptr" and params[p.name] is not None and params[p.name].tensor.tagged]
+        for p in tagged:          # (an instance may not poll words it writes itself: it would wait for itself)
+            for q in tagged:
+                a, b = params[p.name], params[q.name]
+                if p.reads and q.writes and a.tensor.storage_key == b.tensor.storage_key and \
+                        a.byte_range[0] < b.byte_range[1] and b.byte_range[0] < a.byte_range[1]:
+                    raise GraphError(f"{ttype.name}: {p.name!r} and {q.name!r} overlap in tagged tensor "
+                                     f"{a.tensor.name!r}: an instance cannot poll words it writes (no in-place "
+                                     "update of tagged words)")
+        for p in sorted(tagged, key=lambda p: not p.reads):     # reads first, against earlier writers only
             ref = params[p.name]
-            if p.kind != "ptr" or ref is None or not ref.tensor.tagged:
-                continue
             lo, hi = ref.byte_range
             t = ref.tensor
             words = maps.setdefault(t.storage_key, AccessMap())

@@ -63,9 +63,16 @@ def test_one_write_per_step_and_no_poll_before_the_write():
     with pytest.raises(megart.GraphError, match="written twice in one step \\(also by gemv_m1#0\\)"):
         _gemv(pk, x.ref(8, 16), src, "again", tiles=2)
     assert len(pk.graph.instances) == n             # a refused call adds nothing
-    with pytest.raises(megart.GraphError, match="written twice"):   # in place: x += W x reads then rewrites
+    with pytest.raises(megart.GraphError, match="cannot poll words it writes"):   # in place: x += W a
         pk.task("gemv_m1", y=x.ref(0, 16), w=pk.tensor(torch.randn(16, 16).to(torch.bfloat16), "w_in"),
                 x=pk.tensor(torch.randn(16).to(torch.bfloat16), "s16"), residual=x.ref(0, 16))
+    fresh = pk.tensor(tagged.empty(16), "fresh", tagged=True)    # (in place on words nobody wrote yet: the
+    with pytest.raises(megart.GraphError, match="cannot poll words it writes"):   # poll would wait on itself)
+        pk.task("gemv_m1", y=fresh, w=pk.graph.tensors["w_in"], x=pk.graph.tensors["s16"], residual=fresh)
+    with pytest.raises(megart.GraphError, match="shares memory with 'x', and only one of them is tagged"):
+        pk.tensor(x.data.view(torch.bfloat16), "raw_view")
+    with pytest.raises(megart.GraphError, match="is i32 \\(tagged words are added with pk.tensor"):
+        _gemv(pk, pk.tensor(torch.zeros(16, dtype=torch.int32), "untagged_words"), src, "words")
 
 
 def test_a_polled_read_makes_no_wait_and_its_writer_no_signal():
@@ -87,6 +94,20 @@ def test_a_polled_read_makes_no_wait_and_its_writer_no_signal():
     want = pk.graph.tensors["reader_w"].data.float() @ (pk.graph.tensors["writer_w"].data.float() @
                                                         src.data.float()).to(torch.bfloat16).float()
     torch.testing.assert_close(out["y"].float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_the_emulated_timeline_starts_a_poller_after_its_writers():
+    pk = _kernel()
+    src = pk.tensor(torch.randn(64).to(torch.bfloat16), "src")
+    x = pk.tensor(tagged.empty(64), "x", tagged=True)
+    gw = _gemv(pk, x, src, "writer", n=64, tiles=4)
+    gr = _gemv(pk, pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), x, "reader", tiles=4)
+    pk.compile()
+    from megart.emulated_spans import emulated_records
+    from megart.layout import SPAN
+    rec = {int(r[SPAN["instance"]]): r for r in emulated_records(pk.schedule)}
+    last_write = max(rec[u][SPAN["body_end"]] for u in gw.uids)
+    assert all(rec[u][SPAN["body_begin"]] >= last_write for u in gr.uids)
 
 
 def test_a_poll_whose_writer_waits_on_the_reader_is_a_named_deadlock():

@@ -203,6 +203,8 @@ def load_weights(cfg: LlamaConfig, ckpt, device) -> LlamaWeights:
             row += t.shape[0]
             del t
         L["wqkv"] = wqkv
+        if fp8 and cfg.fp8_qkv:     # (qkv_rope_append_fp8: e4m3 rows + per-row scales, as make_weights)
+            L["wqkv"], L["swqkv"] = quantize_fp8(wqkv)
         if cfg.qk_norm:
             L["q_norm"], L["k_norm"] = ckpt.get(p + "self_attn.q_norm.weight"), ckpt.get(p + "self_attn.k_norm.weight")
         for key, name in (("wo", "self_attn.o_proj"), ("wg", "mlp.gate_proj"), ("wu", "mlp.up_proj"),
