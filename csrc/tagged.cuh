@@ -52,9 +52,6 @@ __device__ __forceinline__ unsigned ld_relaxed_u32(const unsigned* p) {
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
-__device__ __forceinline__ void st_relaxed_v4(unsigned* p, const uint4& v) {
-  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-}
 __device__ __forceinline__ void st_relaxed_u32(unsigned* p, unsigned v) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v));
 }
@@ -113,7 +110,6 @@ inline unsigned poll_spin1(const unsigned* w) {
 }
 inline uint4 ld_relaxed_v4(const unsigned* p) { return *reinterpret_cast<const uint4*>(p); }
 inline unsigned ld_relaxed_u32(const unsigned* p) { return *p; }
-inline void st_relaxed_v4(unsigned* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }
 inline void st_relaxed_u32(unsigned* p, unsigned v) { *p = v; }
 inline void poll_spin8(const unsigned*) {
   megart_host_fault("a polled read found tagged words without this step's tag (read before their writer ran, "
@@ -145,13 +141,6 @@ __device__ __forceinline__ unsigned ld_tagged(const void* x, int i) {
 // Store bf16 value v as element i of tagged vector `y`.
 __device__ __forceinline__ void st_tagged(void* y, int i, __nv_bfloat16 v) {
   st_relaxed_u32(static_cast<unsigned*>(y) + i, tag_word(*reinterpret_cast<const unsigned short*>(&v)));
-}
-
-// Store 8 bf16 values (packed in a uint4) as elements [i, i + 8) of tagged vector `y` (i % 4 == 0).
-__device__ __forceinline__ void st_tagged8(void* y, int i, const uint4& v) {
-  unsigned* w = static_cast<unsigned*>(y) + i;
-  st_relaxed_v4(w, make_uint4(tag_word(v.x), tag_word(v.x >> 16), tag_word(v.y), tag_word(v.y >> 16)));
-  st_relaxed_v4(w + 4, make_uint4(tag_word(v.z), tag_word(v.z >> 16), tag_word(v.w), tag_word(v.w >> 16)));
 }
 
 }  // namespace megart

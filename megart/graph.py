@@ -166,7 +166,7 @@ class Graph:
                                  f"got {ev!r}")
         self._check_peer(ttype.name, waits, signals)
         per_instance = self._split(ttype, tiles, args)
-        self._check_tagged(ttype, per_instance)     # (before anything is recorded: a refused call adds nothing)
+        polled, tagged_words = self._check_tagged(ttype, per_instance)   # (recorded below, once the call is in)
         self._check_weights(ttype, per_instance)
         workers = self._workers(ttype, worker, len(per_instance))
         g = Group(len(self.groups), ttype, [], label or ttype.name, dict(args))
@@ -176,15 +176,15 @@ class Graph:
                 raise GraphError(f"{ttype.name}: after= takes groups returned by this kernel's task()/barrier(); "
                                  f"{_group_name(other)} is not one")
             after_uids.update(other.uids)
-        for params, w in zip(per_instance, workers):
+        for params, w, polls in zip(per_instance, workers, polled):
             inst = Instance(len(self.instances), g.index, ttype, params, self.epoch, worker=w,
-                            waits=list(waits), signals=list(signals), inferred=infer)
+                            waits=list(waits), signals=list(signals), inferred=infer, polled=polls)
             inst.deps |= {u for u in after_uids if self.instances[u].epoch == self.epoch}
             if infer:
                 inst.deps |= self._infer(inst)
-            inst.polled = self._tagged(inst.type, inst.params, inst.uid, self._tagged_writes)
             self.instances.append(inst)
             g.uids.append(inst.uid)
+        self._tagged_writes.update(tagged_words)
         self.groups.append(g)
         return g
 
@@ -301,15 +301,16 @@ class Graph:
         deps.discard(inst.uid)
         return deps
 
-    def _check_tagged(self, ttype: TaskType, per_instance: list) -> None:
-        """_tagged's rules for a whole call before any instance of it is added (on copies of the maps it
-        touches), so a refused call leaves the graph as it was."""
+    def _check_tagged(self, ttype: TaskType, per_instance: list) -> tuple[list, dict]:
+        """_tagged for each instance of a call before any of it is added, on copies of the write maps it
+        touches, so a refused call leaves the graph as it was. Returns each instance's polled writers and the
+        updated maps, which the caller records once the call is in."""
         keys = {params[p.name].tensor.storage_key for params in per_instance for p in ttype.params
                 if p.kind == "ptr" and params[p.name] is not None and params[p.name].tensor.tagged}
-        if keys:
-            scratch = {k: copy.deepcopy(self._tagged_writes.get(k, AccessMap())) for k in keys}
-            for i, params in enumerate(per_instance):
-                self._tagged(ttype, params, len(self.instances) + i, scratch)
+        scratch = {k: copy.deepcopy(self._tagged_writes.get(k, AccessMap())) for k in keys}
+        polled = [self._tagged(ttype, params, len(self.instances) + i, scratch) if keys else set()
+                  for i, params in enumerate(per_instance)]
+        return polled, scratch
 
     def _tagged(self, ttype: TaskType, params: dict, uid: int, maps: dict) -> set:
         """Tagged words: each byte is written by at most one instance per step (a poll cannot tell two writes

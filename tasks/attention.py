@@ -285,6 +285,7 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
             f"part_ml has {pmr.count} elements, expected [n_kv, chunks, group, 2] = {n_kv * nch * group * 2}")
     scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
     fused = _fused_refs(T, out, arrivals, n_q, n_kv, hd, group, nch)
+    tagged_out = int(out is not None and as_ref(out, "out").tensor.tagged)
     res = []
     for h in range(n_kv):
         k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
@@ -297,7 +298,7 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
                                 part_o=por.tensor.ref(por.offset + slot * hd, ng * hd),
                                 part_ml=pmr.tensor.ref(pmr.offset + slot * 2, ng * 2),
                                 group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale,
-                                tagged_out=int(out is not None and as_ref(out, "out").tensor.tagged), **fused(h, c)))
+                                tagged_out=tagged_out, **fused(h, c)))
     return res
 
 
