@@ -117,12 +117,19 @@ inline void poll_spin8(const unsigned*) {
 }
 #endif
 
+// MEGART_DIAG_NO_WAIT bit 1 (a timing diagnostic, device builds only; see csrc/runtime.cuh): polls pass at once.
+#if defined(__CUDA_ARCH__) && defined(MEGART_DIAG_NO_WAIT)
+constexpr bool kDiagNoPoll = (MEGART_DIAG_NO_WAIT & 2) != 0;
+#else
+constexpr bool kDiagNoPoll = false;
+#endif
+
 // Values [i, i + 8) of tagged vector `x` (i % 8 == 0), as 8 bf16 packed in a uint4, once they carry this
 // step's tag.
 __device__ __forceinline__ uint4 ld_tagged8(const void* x, int i) {
   const unsigned* w = static_cast<const unsigned*>(x) + i;
   uint4 a = ld_relaxed_v4(w), b = ld_relaxed_v4(w + 4);
-  if (!tags_match(a, b, s_poll.tag)) {
+  if (!kDiagNoPoll && !tags_match(a, b, s_poll.tag)) {
     poll_spin8(w);
     a = ld_relaxed_v4(w);
     b = ld_relaxed_v4(w + 4);
@@ -134,7 +141,7 @@ __device__ __forceinline__ uint4 ld_tagged8(const void* x, int i) {
 __device__ __forceinline__ unsigned ld_tagged(const void* x, int i) {
   const unsigned* w = static_cast<const unsigned*>(x) + i;
   unsigned v = ld_relaxed_u32(w);
-  if (((v ^ s_poll.tag) >> 16) != 0) v = poll_spin1(w);
+  if (!kDiagNoPoll && ((v ^ s_poll.tag) >> 16) != 0) v = poll_spin1(w);
   return v & 0xffffu;
 }
 

@@ -10,7 +10,8 @@
 // next stage, which may belong to an instance several entries ahead (during an attention call the slots
 // already hold o_proj's first weights). Descriptor reads and copy issue are off the compute warps'
 // path: they wait only for bytes to land. The ring is never re-initialised between instances; the bytes
-// issued but not yet read are capped by the ring itself. The producer never joins the compute threads'
+// issued but not yet read are capped by the ring itself, those issued but not yet landed by a smaller cap
+// (MEGART_STREAM_INFLIGHT_STAGES per warp). The producer never joins the compute threads'
 // barriers (task bodies synchronise with cta_sync(), barrier 1); all threads meet at barrier 0 once at
 // launch start and once at the end.
 //
@@ -134,7 +135,8 @@ struct WarpStream {
 };
 
 #if MEGART_STREAM_SLOTS > 0
-#if !defined(MEGART_STREAM_OFFSET) || !defined(MEGART_STREAM_SLOT_BYTES) || !defined(MEGART_STREAM_HANG_FREE)
+#if !defined(MEGART_STREAM_OFFSET) || !defined(MEGART_STREAM_SLOT_BYTES) || !defined(MEGART_STREAM_HANG_FREE) || \
+    !defined(MEGART_STREAM_INFLIGHT_STAGES)
 #error "MEGART_STREAM_SLOTS needs the ring layout from megart/stream.py"
 #endif
 static_assert(MEGART_STREAM_OFFSET % 128 == 0, "the stream ring starts 128-byte aligned");
@@ -256,6 +258,22 @@ __device__ __forceinline__ bool stream_slot_free(const WarpStream& ws, int w) {
   return ld_acquire_shared(&ws.consumed) + kStreamSlots > ws.issued;
 }
 
+// Producer: may warp w issue another stage under the in-flight cap? N = MEGART_STREAM_INFLIGHT_STAGES > 0 (below
+// the slot count; megart/stream.py sets it) lets at most N of the warp's stages be issued and not yet landed;
+// landed stages still fill the ring. Bytes in flight set how long every other load of the SM (attention's
+// K/V, a body's input) queues behind the stream: the queue drains at the SM's share of HBM. Landed bytes are
+// what hide a wait. 0: the ring alone caps.
+__device__ __forceinline__ bool stream_inflight_ok(const WarpStream& ws, int w) {
+  constexpr unsigned cap = MEGART_STREAM_INFLIGHT_STAGES;
+  if constexpr (cap == 0 || cap >= (unsigned)kStreamSlots) {
+    return true;
+  } else {
+    if (ws.issued < cap) return true;
+    const unsigned j = ws.issued - cap;  // its slot is not reused before stage j + kStreamSlots > issued
+    return mbar_test(stream_full(w, (int)(j % kStreamSlots)), (j / kStreamSlots) & 1u);
+  }
+}
+
 // One producer step for warp w: issue its next stage into the next slot, or step over an entry with no
 // (more) stages for it. The caller has made sure the slot is free. Returns false at the end of the queue.
 __device__ __forceinline__ bool stream_step(WarpStream& ws, int warp) {
@@ -354,7 +372,7 @@ __device__ __forceinline__ void stream_produce() {
     if (ws && ws->q < s_stream.q1) {
       live = true;
       const unsigned use = ws->issued / kStreamSlots;
-      if (use == 0 || stream_slot_free(*ws, w))
+      if ((use == 0 || stream_slot_free(*ws, w)) && stream_inflight_ok(*ws, w))
         issued = stream_step(*ws, w);
     }
     if (!__any_sync(0xffffffffu, live)) return;

@@ -27,11 +27,12 @@ OWNED_MACROS = {
     "MEGART_COMPUTE_REGS": "the weight stream's register split, from threads=",
     "MEGART_PRODUCER_REGS": "the weight stream's register split, from threads=",
     "MEGART_STREAM_HANG_FREE": "the weight stream's hang code (megart/stream.py)",
+    "MEGART_STREAM_INFLIGHT_STAGES": "the weight stream's in-flight cap, from MEGART_STREAM_INFLIGHT",
 }
 # Macros that must be non-negative integers: Python also reads them (to size shared memory), or the device
 # code tests them as numbers (MEGART_LEAN_SYNC: one release fence per instance's signals, csrc/runtime.cuh).
 INT_MACROS = ("MEGART_DENSE_RING_SLOTS", "MEGART_ATTN_RING_BYTES", "MEGART_PREFETCH_KB", "MEGART_LEAN_SYNC",
-              "MEGART_PHASE_MARKS")
+              "MEGART_PHASE_MARKS", "MEGART_DIAG_NO_WAIT")
 
 
 def check_defines(defines, origin: str = "defines") -> dict:

@@ -24,6 +24,8 @@ MAX_SLOTS = 8                  # past this the warps' stages already cover sever
 DEFAULT_STAGE_CHUNKS = 128     # measured fastest on the Llama-1B step with 4 producer warps (bench/RESULTS.md)
 STAGE_CHUNKS = (64, 128, 256)  # 16-byte chunks per row in one stage (MEGART_STREAM_STAGE): smaller stages
 #                                free their slot sooner, so the producer refills the ring earlier
+DEFAULT_INFLIGHT = 3           # stages per warp issued and not yet landed (MEGART_STREAM_INFLIGHT): at 5 slots, 3
+#                                measured fastest on the Llama-1B step (bench/RESULTS.md); 0 = the ring alone caps
 MIN_AUTO_SLOTS = 2             # one slot per warp cannot load a stage while the warp reads the last one
 ALIGN = 128
 WARPGROUP = 128                # setmaxnreg works per warpgroup (4 warps)
@@ -43,6 +45,7 @@ class StreamLayout:
     types: tuple = ()          # names of the streamed task types
     producer_warp: bool = True  # a producer warp beside the compute warps, or lane 0 of each warp inline
     stage_chunks: int = 256    # 16-byte chunks of each row in one stage (a slot holds a row pair's stage)
+    inflight: int = 0          # a warp's stages issued and not yet landed, at most; 0 = up to the slot count
 
     @property
     def slot_bytes(self) -> int:
@@ -78,7 +81,7 @@ class StreamLayout:
             return {"MEGART_STREAM_SLOTS": 0}
         out = {"MEGART_STREAM_SLOTS": self.slots, "MEGART_STREAM_OFFSET": self.offset,
                "MEGART_STREAM_SLOT_BYTES": self.slot_bytes, "MEGART_STREAM_STAGE_CHUNKS": self.stage_chunks,
-               "MEGART_STREAM_PRODUCER": int(self.producer_warp),
+               "MEGART_STREAM_PRODUCER": int(self.producer_warp), "MEGART_STREAM_INFLIGHT_STAGES": self.inflight,
                "MEGART_PRODUCER_THREADS": self.producer_threads(threads), "MEGART_STREAM_HANG_FREE": HANG_SLOT_FREE}
         split = self.register_split(threads)
         if split:
@@ -142,7 +145,12 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
         return StreamLayout()
     producer = _choice(cfg, "MEGART_STREAM_PRODUCER", (0, 1), "a producer warpgroup (1) or lane 0 of each "
                        "compute warp inline (0)", 1) == 1
-    lay = StreamLayout(slots=slots, offset=offset, types=names, producer_warp=producer, stage_chunks=chunks)
+    # Bytes issued and not landed are what every other load of the SM queues behind; landed ones are what
+    # hide a wait. Below the slot count the cap keeps the second without the first.
+    inflight = _choice(cfg, "MEGART_STREAM_INFLIGHT", tuple(range(0, slots + 1)), "a warp's weight stages issued "
+                       f"and not yet landed, at most (0: up to the {slots} slots)", min(DEFAULT_INFLIGHT, slots))
+    lay = StreamLayout(slots=slots, offset=offset, types=names, producer_warp=producer, stage_chunks=chunks,
+                       inflight=0 if inflight >= slots else inflight)
     most = max(1, lay.producer_threads(cfg.threads) // 32)
     _choice(cfg, "MEGART_STREAM_PRODUCER_WARPS", tuple(range(1, most + 1)),
             f"producer warps that issue copies (the producer has {most} at {cfg.threads} compute threads)", most)

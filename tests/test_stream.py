@@ -7,7 +7,7 @@ import torch
 import megart
 from megart import codegen, registry, stream
 from megart.config import KernelConfig
-from megart.errors import GraphError, ResidencyError
+from megart.errors import ConfigError, GraphError, ResidencyError
 from megart.geometry import dense as geo
 from megart.emulate import hostsim as dense_hostsim
 from test_tasks_dense import STREAM, _broken
@@ -59,6 +59,25 @@ def test_stage_size():
     for bad in (96, "big", 512):
         with pytest.raises(GraphError, match="MEGART_STREAM_STAGE"):
             stream.layout(_types("gemv_m1"), KernelConfig(defines=auto | {"MEGART_STREAM_STAGE": bad}))
+
+
+def test_inflight_cap():
+    """Stages issued and not yet landed, per warp: 3 by default (below the slot count), 0 when it would not
+    bind (the ring caps first), and what the caller asks within 0..slots."""
+    five = stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 5}))
+    assert five.inflight == stream.DEFAULT_INFLIGHT == 3
+    assert five.defines(256)["MEGART_STREAM_INFLIGHT_STAGES"] == 3
+    assert stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 3})).inflight == 0
+    for asked, got in ((0, 0), (2, 2), (5, 0)):
+        lay = stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 5,
+                                                                      "MEGART_STREAM_INFLIGHT": asked}))
+        assert lay.inflight == got
+    for bad in (6, -1, "most"):
+        with pytest.raises(GraphError, match="MEGART_STREAM_INFLIGHT"):
+            stream.layout(_types("gemv_m1"), KernelConfig(defines={"MEGART_STREAM_SLOTS": 5,
+                                                                    "MEGART_STREAM_INFLIGHT": bad}))
+    with pytest.raises(ConfigError, match="MEGART_STREAM_INFLIGHT_STAGES"):   # set by megart, not the caller
+        megart.PersistentKernel(nw=2, device="cpu", defines={"MEGART_STREAM_INFLIGHT_STAGES": 1})
 
 
 def test_producer_and_register_split():
