@@ -45,7 +45,7 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-MODEL_OPTIONS = ("deps", "attn_merge", "attn_chunks", "tagged")   # attn_chunks: the model's tiles["attn_chunks"]
+MODEL_OPTIONS = ("deps", "attn_merge", "attn_chunks", "tagged", "tagged_attn")   # attn_chunks: the model's tiles["attn_chunks"]
 
 
 def split_variant(variant: dict) -> tuple[dict, dict]:
@@ -56,8 +56,9 @@ def split_variant(variant: dict) -> tuple[dict, dict]:
     model = {k: v for k, v in variant.items() if k in MODEL_OPTIONS}
     if "attn_chunks" in model:
         model["tiles"] = {"attn_chunks": int(model.pop("attn_chunks"))}
-    if "tagged" in model:          # tagged=1 / tagged=0: the model's tagged vectors (megart/tagged.py)
-        model["tagged"] = model["tagged"] not in ("0", "false", "False")
+    for k in ("tagged", "tagged_attn"):   # tagged=1 / tagged_attn=0: the model's tagged vectors (megart/tagged.py)
+        if k in model:
+            model[k] = model[k] not in ("0", "false", "False")
     return {k: v for k, v in variant.items() if k.startswith("MEGART_")}, model
 
 

@@ -110,9 +110,18 @@ class PersistentKernel:
     def kernel_config(self) -> codegen.KernelConfig:
         """What the generated source is specialised on (CTA size, CTAs per SM, profiling, macros)."""
         defines = {**self.defines, "MEGART_STREAM_SLOTS": "0"} if self.stream_declined else self.defines
+        defines = {**self._instance_macros(), **defines}
         return codegen.KernelConfig(threads=self.threads, profile=self.profiling,
                                     min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=defines,
                                     tp=self.graph.world if self.graph.peer_events else 1)
+
+    def _instance_macros(self) -> dict:
+        """The macros the graph's instances ask their types for (TaskType.macros_for)."""
+        out = {}
+        for t in self.task_types:
+            if t.macros_for:
+                out.update(t.macros_for([i.params for i in self.graph.instances if i.type is t]))
+        return out
 
     def stream_layout(self) -> stream.StreamLayout:
         """The weight stream's ring in this kernel (megart/stream.py): slots per warp, offset, types."""

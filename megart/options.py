@@ -28,6 +28,7 @@ OWNED_MACROS = {
     "MEGART_PRODUCER_REGS": "the weight stream's register split, from threads=",
     "MEGART_STREAM_HANG_FREE": "the weight stream's hang code (megart/stream.py)",
     "MEGART_STREAM_INFLIGHT_STAGES": "the weight stream's in-flight cap, from MEGART_STREAM_INFLIGHT",
+    "MEGART_ATTN_TAGGED": "attention_decode's tagged form, compiled in when the graph uses it (k_new given)",
 }
 # Macros that must be non-negative integers: Python also reads them (to size shared memory), or the device
 # code tests them as numbers (MEGART_LEAN_SYNC: one release fence per instance's signals, csrc/runtime.cuh).

@@ -20,6 +20,7 @@ from .registry import USER_ID_BASE
 
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
 STATIC_RESERVE = 2048          # static shared memory of the worker (descriptor slots, stream state)
+ATTN_TAGGED_STATIC = 768       # and attention_decode's tagged form (MEGART_ATTN_TAGGED): its staged new row
 MAX_SLOTS = 8                  # past this the warps' stages already cover several us of HBM time
 DEFAULT_STAGE_CHUNKS = 128     # measured fastest on the Llama-1B step with 4 producer warps (bench/RESULTS.md)
 STAGE_CHUNKS = (64, 128, 256)  # 16-byte chunks per row in one stage (MEGART_STREAM_STAGE): smaller stages
@@ -106,6 +107,12 @@ def _forced(cfg: KernelConfig) -> int | None:
     return n
 
 
+def static_reserve(cfg: KernelConfig) -> int:
+    """The static shared memory a kernel of `cfg` may use beside the dynamic (the ring is sized against it)."""
+    tagged_attn = str(cfg.defines.get("MEGART_ATTN_TAGGED", 0)).strip() not in ("0", "")
+    return STATIC_RESERVE + (ATTN_TAGGED_STATIC if tagged_attn else 0)
+
+
 def slot_bytes(stage_chunks: int) -> int:
     """One slot: a row pair's stage of `stage_chunks` 16-byte chunks per row."""
     return 2 * 16 * stage_chunks
@@ -137,7 +144,7 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
     elif cfg.min_blocks > 1:
         slots = 0               # two CTAs per SM: no room for a ring worth having
     else:
-        room = SMEM_PER_BLOCK - STATIC_RESERVE - offset
+        room = SMEM_PER_BLOCK - static_reserve(cfg) - offset
         slots = min(MAX_SLOTS, room // (warps * slot_bytes(chunks)))
         if slots < MIN_AUTO_SLOTS:
             slots = 0

@@ -39,6 +39,7 @@ ATTN_STAGE_WARPS = 8      # warps attention_decode merges per shared-memory roun
 LOW_REG_THREADS = 512     # threads x CTAs per SM from which the bodies budget <= 128 registers (kLowRegs)
 MODE_ROPE, MODE_NORM, MODE_CACHE, MODE_HEAD_NORM = 1, 2, 4, 8
 MODE_TAGGED_X = 16    # qkv_rope_append's x is a tagged tensor (megart/tagged.py): polled as it is staged
+MODE_TAGGED_OUT = 32  # its outputs are tagged words: q, and the new k/v rows in [n_kv, hd] buffers (not the cache)
 # qkv_rope_append runs on the dense matvec engine: its block scratch, x staged whole (bf16), then the
 # instance's 2 * npairs fp32 dots
 SMEM_QKV = DENSE_SCRATCH + 2 * QKV_MAX_D + 4 * QKV_MAX_ROWS
@@ -49,7 +50,7 @@ QKV_HEADERS = ATTENTION_HEADERS + DENSE_HEADERS + ("tasks/qkv_common.cuh",)
 # declared here, emitted into the kernel as megart_attn::k* before tasks/attention_common.cuh
 header_constants(ATTENTION_HEADERS[0], "megart_attn", {
     "kModeRope": MODE_ROPE, "kModeNorm": MODE_NORM, "kModeCache": MODE_CACHE, "kModeHeadNorm": MODE_HEAD_NORM,
-    "kModeTaggedX": MODE_TAGGED_X,
+    "kModeTaggedX": MODE_TAGGED_X, "kModeTaggedOut": MODE_TAGGED_OUT,
     "kQkvMaxD": QKV_MAX_D, "kQkvMaxRows": QKV_MAX_ROWS, "kAttnStageWarps": ATTN_STAGE_WARPS,
     "kLowRegThreads": LOW_REG_THREADS})
 ATTN_RING = 64 * 1024                       # attention_decode's K/V ring (MEGART_ATTN_RING_BYTES), any thread count
@@ -93,8 +94,26 @@ def _sub_counts(total, n, cap):
     return [min(cap, max(1, base + (1 if i < extra else 0))) for i in range(n)]
 
 
+def _new_rows(T, qr, k_new, v_new, n_kv, hd):
+    """The tagged form's [n_kv, hd] buffers of this step's new k and v rows ({"k": ref, "v": ref}), or None.
+    q, k_new and v_new are tagged tensors together or not at all: qkv writes them as tagged words instead of
+    appending to the caches, and attention_decode polls them (kv_commit appends the rows later in the step)."""
+    if k_new is None and v_new is None and not qr.tensor.tagged:
+        return None
+    require(k_new is not None and v_new is not None and qr.tensor.tagged, T,
+            "the tagged form takes q, k_new and v_new as tagged tensors, all three (pk.tensor(..., tagged=True))")
+    out = {}
+    for name, t in (("k", k_new), ("v", v_new)):
+        r = as_ref(t, f"{name}_new")
+        require(r.tensor.tagged, T, f"{name}_new must be a tagged tensor (pk.tensor(..., tagged=True))")
+        require(r.count == n_kv * hd, T, f"{name}_new has {r.count} elements, expected n_kv * hd = {n_kv * hd}")
+        _aligned16(r, f"{name}_new", T)
+        out[name] = r
+    return out
+
+
 def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q, n_kv, hd, norm_weight=None,
-               eps=1e-5, max_seq=None, kv_refs="strict", q_norm=None, k_norm=None, scale=None,
+               eps=1e-5, max_seq=None, kv_refs="strict", q_norm=None, k_norm=None, scale=None, k_new=None, v_new=None,
                T="qkv_rope_append"):
     fp8 = T == "qkv_rope_append_fp8"     # e4m3 rows, one f32 scale per row (`scale`, [rows])
     qr, kr, vr, wr = as_ref(q, "q"), as_ref(k_cache, "k_cache"), as_ref(v_cache, "v_cache"), as_ref(w_qkv, "w_qkv")
@@ -139,6 +158,7 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
             require(r.count == hd, T, f"{name}_norm has {r.count} elements, expected hd = {hd}")
             head_norm[name] = r
 
+    new = _new_rows(T, qr, k_new, v_new, n_kv, hd)   # tagged outputs: {"k": ref, "v": ref} or None
     heads = [("q", h) for h in range(n_q)] + [("k", h) for h in range(n_kv)] + [("v", h) for h in range(n_kv)]
     total = auto_tiles(tiles, nw)
     if head_norm:
@@ -157,7 +177,14 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
         base = cache.offset + h * ms * hd
         for s, (a, b) in enumerate(parts):
             w_ref = wr.tensor.ref(wr.offset + (row0 + a) * d, (half + b - a) * d)
-            if kind == "q":
+            tagged_out = dict(tdst=None, tdst2=None)
+            if new is not None:   # q or the head's new k/v row, as tagged words: exact refs, no cache row
+                tr = qr if kind == "q" else new[kind]
+                tagged_out = dict(tdst=tr.tensor.ref(tr.offset + h * hd + a, b - a),
+                                  tdst2=tr.tensor.ref(tr.offset + h * hd + half + a, b - a))
+                dst = dst2 = None
+                mode = MODE_TAGGED_OUT | (MODE_ROPE if kind != "v" else 0)
+            elif kind == "q":
                 dst = qr.tensor.ref(qr.offset + h * hd + a, b - a)
                 dst2 = qr.tensor.ref(qr.offset + h * hd + half + a, b - a)
                 mode = MODE_ROPE
@@ -173,7 +200,8 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
                 mode |= MODE_HEAD_NORM
             out.append(dict(w=w_ref, x=xr, norm_weight=nr if nr is not None else dummy,
                             cos=cr, sin=sr, pos=pr, dst=dst, dst2=dst2, head_norm=hn if hn is not None else dummy,
-                            mode=mode | mode_norm, npairs=b - a, pair0=a, d=d, half=half, max_seq=ms, eps=eps))
+                            mode=mode | mode_norm, npairs=b - a, pair0=a, d=d, half=half, max_seq=ms, eps=eps,
+                            **tagged_out))
             if fp8:    # (the scales of the same rows as w: the instance's first row on)
                 out[-1]["scale"] = scr.tensor.ref(scr.offset + row0 + a, half + b - a)
     return out
@@ -204,7 +232,10 @@ def _qkv_ref(p) -> None:
         c = p.cos[pos * half + a:pos * half + a + n]
         s = p.sin[pos * half + a:pos * half + a + n]
         lo, hi = lo * c - hi * s, hi * c + lo * s
-    if p.mode & MODE_CACHE:
+    if p.mode & MODE_TAGGED_OUT:
+        p.tdst.copy_(lo.to(torch.bfloat16))
+        p.tdst2.copy_(hi.to(torch.bfloat16))
+    elif p.mode & MODE_CACHE:
         row = pos * 2 * half
         dst = _wide(p.dst, row + half + n)
         dst[row:row + n] = lo.to(torch.bfloat16)
@@ -228,13 +259,16 @@ register(TaskType(
     name="qkv_rope_append", id=64, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:qkv_rope_append",
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in", tagged=True), ptr("norm_weight", "bf16", "weight"),
             ptr("cos", "f32", "weight"), ptr("sin", "f32", "weight"), ptr("pos", "i32", "in"),
-            ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"), ptr("head_norm", "bf16", "weight"),
+            ptr("dst", "bf16", "inout", optional=True), ptr("dst2", "bf16", "inout", optional=True),
+            ptr("head_norm", "bf16", "weight"),
             scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
-            scalar("eps", "f32")),
+            scalar("eps", "f32"), ptr("tdst", "bf16", "out", optional=True, tagged=True),
+            ptr("tdst2", "bf16", "out", optional=True, tagged=True)),
     source="tasks/qkv_rope_append.cuh", headers=QKV_HEADERS, reference=_qkv_ref,
     split=_qkv_split, cost=_qkv_cost, smem_bytes=SMEM_QKV, prefetch=True, stream=True,
     doc="q, k, v = (rmsnorm(x)) @ w_qkv.T; optional per-head RMSNorm of q, k (q_norm / k_norm, Qwen3); "
-        "rotate-half RoPE on q, k at the device position pos; k, v appended to the caches at row pos."), builtin=True)
+        "rotate-half RoPE on q, k at the device position pos; k, v appended to the caches at row pos, or (the "
+        "tagged form: q, k_new, v_new tagged tensors) q and the new k, v rows stored as tagged words."), builtin=True)
 
 
 register(TaskType(
@@ -242,9 +276,11 @@ register(TaskType(
     params=(ptr("w", "fp8e4m3", "weight"), ptr("x", "bf16", "in", tagged=True),
             ptr("norm_weight", "bf16", "weight", optional=True),
             ptr("cos", "f32", "weight"), ptr("sin", "f32", "weight"), ptr("pos", "i32", "in"),
-            ptr("dst", "bf16", "inout"), ptr("dst2", "bf16", "inout"), ptr("head_norm", "bf16", "weight", optional=True),
+            ptr("dst", "bf16", "inout", optional=True), ptr("dst2", "bf16", "inout", optional=True),
+            ptr("head_norm", "bf16", "weight", optional=True),
             scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
-            scalar("eps", "f32"), ptr("scale", "f32", "weight")),
+            scalar("eps", "f32"), ptr("scale", "f32", "weight"), ptr("tdst", "bf16", "out", optional=True, tagged=True),
+            ptr("tdst2", "bf16", "out", optional=True, tagged=True)),
     source="tasks/qkv_rope_append_fp8.cuh", headers=QKV_HEADERS, reference=_qkv_ref,
     split=lambda nw, tiles=1, **kw: _qkv_split(nw, tiles, T="qkv_rope_append_fp8", **kw), cost=_qkv_cost,
     smem_bytes=SMEM_QKV, prefetch=True, stream=True,
@@ -268,7 +304,7 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
 
 
 def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, n_kv, hd, max_seq=None, chunk=0,
-                chunks=None, scale=None, out=None, arrivals=None):
+                chunks=None, scale=None, out=None, arrivals=None, k_new=None, v_new=None):
     T = "attention_decode"
     qr, kr, vr, group, ms = _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq)
     pr, por, pmr = as_ref(pos, "pos"), as_ref(part_o, "part_o"), as_ref(part_ml, "part_ml")
@@ -286,10 +322,13 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
     scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
     fused = _fused_refs(T, out, arrivals, n_q, n_kv, hd, group, nch)
     tagged_out = int(out is not None and as_ref(out, "out").tensor.tagged)
+    new = _new_rows(T, qr, k_new, v_new, n_kv, hd)   # the tagged form: q and the new rows polled
     res = []
     for h in range(n_kv):
         k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
         v_ref = vr.tensor.ref(vr.offset + h * ms * hd, ms * hd)
+        rows = dict(k_new=None, v_new=None) if new is None else {
+            f"{k}_new": r.tensor.ref(r.offset + h * hd, hd) for k, r in new.items()}
         for g0, ng in head_subgroups(group):
             q_ref = qr.tensor.ref(qr.offset + (h * group + g0) * hd, ng * hd)
             for c in range(nch):
@@ -298,7 +337,7 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
                                 part_o=por.tensor.ref(por.offset + slot * hd, ng * hd),
                                 part_ml=pmr.tensor.ref(pmr.offset + slot * 2, ng * 2),
                                 group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale,
-                                tagged_out=tagged_out, **fused(h, c)))
+                                tagged_out=tagged_out, **rows, **fused(h, c)))
     return res
 
 
@@ -359,9 +398,13 @@ def _attn_ref(p) -> None:
         p.part_ml.view(G, 2)[:, 0] = float("-inf")
         p.part_ml.view(G, 2)[:, 1] = 0.0
         return
-    q = p.q.view(G, hd).float()
+    q = p.q.reshape(G, hd).float()
     k = p.k_cache.view(-1, hd)[lo:hi].float()
     v = p.v_cache.view(-1, hd)[lo:hi].float()
+    pos = int(p.pos[0])
+    if getattr(p, "k_new", None) is not None and lo <= pos < hi:   # the tagged form: row pos is this step's new row
+        k[pos - lo] = p.k_new.float()
+        v[pos - lo] = p.v_new.float()
     s = (q @ k.T) * torch.tensor(p.scale, dtype=torch.float32)
     m = s.max(dim=1).values
     e = torch.exp(s - m[:, None])
@@ -431,16 +474,20 @@ def _attn_defines(cfg) -> dict:
 
 register(TaskType(
     name="attention_decode", id=65, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:attention_decode",
-    params=(ptr("q", "bf16", "in"), ptr("k_cache", "bf16", "in"), ptr("v_cache", "bf16", "in"),
+    params=(ptr("q", "bf16", "in", tagged=True), ptr("k_cache", "bf16", "in"), ptr("v_cache", "bf16", "in"),
             ptr("pos", "i32", "in"), ptr("part_o", "f32", "out"), ptr("part_ml", "f32", "out"),
             scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("max_seq"),
             scalar("scale", "f32"), ptr("out", "bf16", "out", optional=True, tagged=True),
-            ptr("arrivals", "i32", "sync", optional=True), scalar("tagged_out")),
+            ptr("arrivals", "i32", "sync", optional=True), scalar("tagged_out"),
+            ptr("k_new", "bf16", "in", optional=True, tagged=True), ptr("v_new", "bf16", "in", optional=True, tagged=True)),
     source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS, reference=_attn_fused_ref, split=_attn_split,
     cost=_attn_cost, smem_bytes=SMEM_ATTN, smem_for=_attn_smem, defines_for=_attn_defines,
+    macros_for=lambda params: {"MEGART_ATTN_TAGGED": 1} if any(p.get("k_new") is not None for p in params) else {},
     doc="Flash-decoding partials (m, l, unnormalised o) of one query token over one KV chunk of one kv "
         "head (GQA), kv_len = pos + 1 read on the device; with out and arrivals (one i32 counter per kv head, "
-        "zero at the start) the last chunk of each kv head to finish also merges its partials into out."),
+        "zero at the start) the last chunk of each kv head to finish also merges its partials into out. The "
+        "tagged form (q, k_new, v_new tagged, from qkv_rope_append's tagged form) polls q and takes position pos "
+        "from k_new / v_new, so it waits on no event of qkv's."),
     builtin=True)
 
 
@@ -502,4 +549,49 @@ register(TaskType(
     source="tasks/attention_merge.cuh", headers=ATTENTION_HEADERS, reference=_merge_ref, split=_merge_split, cost=_merge_cost,
     doc="out[q head] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c over the attention_decode chunks "
         "(out may be a tagged tensor: tagged_out, set by the splitter)."),
+    builtin=True)
+
+
+# --- kv_commit -------------------------------------------------------------------------------------------
+
+def _commit_split(nw, tiles=1, *, k_new, v_new, k_cache, v_cache, pos, n_kv, hd, max_seq=None):
+    T = "kv_commit"
+    require(hd in ATTN_HD, T, f"hd must be one of {ATTN_HD}, got {hd}")
+    require(n_kv >= 1, T, f"n_kv must be >= 1, got {n_kv}")
+    kr, vr, pr = as_ref(k_cache, "k_cache"), as_ref(v_cache, "v_cache"), as_ref(pos, "pos")
+    require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
+            f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
+    ms = kr.count // (n_kv * hd)
+    _check_caches(T, kr, vr, n_kv, ms, hd)
+    require(max_seq is None or max_seq == ms, T, f"max_seq={max_seq} but the caches hold {ms} positions")
+    require(pr.count == 1, T, f"pos must be a single i32 element, has {pr.count}")
+    new = {}
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        r = as_ref(t, name)
+        require(r.tensor.tagged, T, f"{name} must be a tagged tensor (pk.tensor(..., tagged=True))")
+        require(r.count == n_kv * hd, T, f"{name} has {r.count} elements, expected n_kv * hd = {n_kv * hd}")
+        new[name] = r
+    return [dict(k_new=new["k_new"], v_new=new["v_new"], k_cache=kr, v_cache=vr, pos=pr, n=n_kv * hd, hd=hd,
+                 max_seq=ms)]
+
+
+def _commit_ref(p) -> None:
+    pos = int(p.pos[0])
+    if not 0 <= pos < p.max_seq:
+        return
+    nkv = p.n // p.hd
+    p.k_cache.view(nkv, p.max_seq, p.hd)[:, pos] = p.k_new.reshape(nkv, p.hd)
+    p.v_cache.view(nkv, p.max_seq, p.hd)[:, pos] = p.v_new.reshape(nkv, p.hd)
+
+
+register(TaskType(
+    name="kv_commit", id=68, hostsim=True,
+    params=(ptr("k_new", "bf16", "in", tagged=True), ptr("v_new", "bf16", "in", tagged=True),
+            ptr("k_cache", "bf16", "inout"), ptr("v_cache", "bf16", "inout"), ptr("pos", "i32", "in"),
+            scalar("n"), scalar("hd"), scalar("max_seq")),
+    source="tasks/kv_commit.cuh", headers=ATTENTION_HEADERS, reference=_commit_ref, split=_commit_split,
+    cost=lambda *, n_kv, hd, **_: Cost(bytes=2 * n_kv * hd * (4 + 2), flops=0),
+    doc="k_cache[h, pos] = k_new[h], v_cache[h, pos] = v_new[h] for every kv head: the tagged form's cache "
+        "append (qkv_rope_append stored the new rows as tagged words; attention_decode polled them), after "
+        "every instance that reads the caches."),
     builtin=True)

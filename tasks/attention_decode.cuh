@@ -46,6 +46,10 @@ __device__ __forceinline__ uint4 ld_shared16(unsigned a) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
   return v;
 }
+__device__ __forceinline__ void st_shared16(unsigned a, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
 
 #else
 // Host simulation: a shared address is an offset into the simulated CTA's shared memory (one CTA runs at a
@@ -67,6 +71,7 @@ inline uint4 ld_shared16(unsigned a) {
   std::memcpy(&v, host_smem + a, 16);
   return v;
 }
+inline void st_shared16(unsigned a, uint4 v) { std::memcpy(host_smem + a, &v, 16); }
 #endif
 
 // VEC bf16 per lane (8: one 16-byte load; 4: one 8-byte load, which halves the q and o registers).
@@ -92,6 +97,25 @@ __device__ __forceinline__ KVec<VEC> ld_kvec(const __nv_bfloat16* p) {
   }
   return r;
 }
+// The tagged form (k_new given) is compiled in only where an instance uses it: MEGART_ATTN_TAGGED, which the
+// kernel gets from its graph (TaskType.macros_for). Its polls and the new row cost the widest bodies the one
+// register they had left.
+#ifndef MEGART_ATTN_TAGGED
+#define MEGART_ATTN_TAGGED 0
+#endif
+constexpr bool kAttnTagged = MEGART_ATTN_TAGGED != 0;
+
+// The tagged form's new K (kv = 0) and V (kv = 1) row of the instance's kv head, bf16, staged from k_new /
+// v_new by attention_decode_body (hd <= 128: 16 vectors of 8); new_row_kvec reads lane sub's VEC values.
+__shared__ uint4 s_new_row[2][16];
+template <int VEC>
+__device__ __forceinline__ KVec<VEC> new_row_kvec(int kv, int sub) {
+  const unsigned* w = reinterpret_cast<const unsigned*>(s_new_row[kv]) + sub * (VEC / 2);
+  KVec<VEC> r;
+#pragma unroll
+  for (int k = 0; k < VEC / 2; ++k) r.u[k] = w[k];
+  return r;
+}
 template <int VEC>
 __device__ __forceinline__ void unpack_kvec(const KVec<VEC>& v, float* f) {
 #pragma unroll
@@ -99,6 +123,21 @@ __device__ __forceinline__ void unpack_kvec(const KVec<VEC>& v, float* f) {
     f[2 * i] = __uint_as_float(v.u[i] << 16);
     f[2 * i + 1] = __uint_as_float(v.u[i] & 0xffff0000u);
   }
+}
+
+// VEC values of a tagged vector (4 or 8 words at w, already polled) unpacked to f.
+template <int VEC>
+__device__ __forceinline__ void ld_tagged_values(const unsigned* w, float* f) {
+  KVec<VEC> v;
+  const uint4 a = megart::ld_relaxed_v4(w);
+  v.u[0] = megart::untag2(a.x, a.y);
+  v.u[1] = megart::untag2(a.z, a.w);
+  if constexpr (VEC == 8) {
+    const uint4 b = megart::ld_relaxed_v4(w + 4);
+    v.u[2] = megart::untag2(b.x, b.y);
+    v.u[3] = megart::untag2(b.z, b.w);
+  }
+  unpack_kvec<VEC>(v, f);
 }
 
 // 2^x. kFtz: one MUFU.EX2 without exp2f's subnormal fix-ups; a result under 2^-126 flushes to 0 (such a
@@ -216,6 +255,14 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   const int sub = lane % LPR, rw = lane / LPR, slot = warp * RPW + rw;
   const __nv_bfloat16* kb = p.k_cache + sub * VEC;
   const __nv_bfloat16* vb = p.v_cache + sub * VEC;
+  // The tagged form (k_new given): q and the head's new K/V row are tagged words qkv stores this step; the
+  // cache's row pos is not written until kv_commit, so position pos takes its vectors from k_new / v_new.
+  const bool tnew = kAttnTagged && p.k_new != nullptr;
+  int tpos = -1;  // position pos, when this chunk holds it in the tagged form
+  if (tnew) {
+    const int at = ld_in_i32(p.pos);
+    if (at >= lo && at < hi) tpos = at;
+  }
 
   // Ring: every thread copies (cp.async) exactly the K and V vectors it reads back later, so its own
   // wait_group makes them visible and the loop needs no barrier. Vector (ring slot s, position u, K/V kv)
@@ -245,12 +292,31 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
 #pragma unroll
     for (int j = 0; j < RS - 1; ++j) issue(j);  // before q: the q and K/V round trips overlap
   }
+  // The tagged form polls before q and the softmax state are live (a spin beside them spilled): the CTA's
+  // threads together wait until every word of the instance's q carries this step's tag, and stage the new
+  // row. After the barrier each thread reads its q words as plain values: a word is final once tagged.
+  if (tnew) {  // (uniform over the CTA)
+#pragma unroll 1
+    for (int c = tid; c < G * HD / 8; c += NT) (void)megart::ld_tagged8(p.q, 8 * c);
+    if (tpos >= 0) {
+      if (tid < HD / 8) s_new_row[0][tid] = megart::ld_tagged8(p.k_new, 8 * tid);
+      else if (tid < HD / 4) s_new_row[1][tid - HD / 8] = megart::ld_tagged8(p.v_new, 8 * (tid - HD / 8));
+    }
+    __syncthreads();
+  }
 
   float q[G][VEC];
   const float qscale = p.scale * kLog2e;
+  if (tnew) {  // q's tagged words, known to carry this step's tag (polled above)
+    const unsigned* qw = reinterpret_cast<const unsigned*>(p.q) + sub * VEC;
+#pragma unroll
+    for (int g = 0; g < G; ++g) ld_tagged_values<VEC>(qw + g * HD, q[g]);
+  } else {
+#pragma unroll
+    for (int g = 0; g < G; ++g) unpack_kvec<VEC>(ld_kvec<VEC>(p.q + g * HD + sub * VEC), q[g]);
+  }
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    unpack_kvec<VEC>(ld_kvec<VEC>(p.q + g * HD + sub * VEC), q[g]);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) q[g][e] *= qscale;
   }
@@ -264,10 +330,19 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   }
 
   if constexpr (kRing) {
+    // The tagged form: the stage and vector of position pos, if this thread holds it (its ring copy is of the
+    // stale cache row: the staged new row is stored over it once the copy has landed).
+    // (one register: the (stage, vector) pair as j * RU + u, since BATCH = RU * SLOTS)
+    const int tsel = tpos >= 0 && (tpos - lo) % SLOTS == slot ? (tpos - lo) / SLOTS : -RU;
     for (int j = 0; j < nst; ++j) {
       issue(j + RS - 1);       // into slot (j - 1) % RS, whose data iteration j - 1 has consumed
       cp_async_wait<RS - 1>();  // groups 0..j (this thread's copies of stage j) have landed
       const unsigned d = ring + ((unsigned)j % RS) * (RU * 2 * VSTRIDE);
+      if ((unsigned)(tsel - j * RU) < (unsigned)RU) {
+        const int tu = tsel - j * RU;
+        st_shared16(d + (2 * tu) * VSTRIDE, s_new_row[0][sub]);
+        st_shared16(d + (2 * tu + 1) * VSTRIDE, s_new_row[1][sub]);
+      }
       KVec<VEC> kv[RU], vv[RU];
 #pragma unroll
       for (int u = 0; u < RU; ++u) {
@@ -285,7 +360,10 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int t = b + u * SLOTS + slot;
-        if (t < hi) {
+        if (t == tpos) {
+          kv[u] = new_row_kvec<VEC>(0, sub);
+          vv[u] = new_row_kvec<VEC>(1, sub);
+        } else if (t < hi) {
           kv[u] = ld_kvec<VEC>(kb + (long long)t * HD);
           vv[u] = ld_kvec<VEC>(vb + (long long)t * HD);
         } else {

@@ -11,8 +11,11 @@
 //
 // mode bits: 1 = RoPE (q, k heads), 2 = fused RMSNorm of x (norm_weight valid), 4 = destination is a cache
 // head (row `pos`, stride 2 * half) rather than q, 8 = RMSNorm of the head's own fp32 dots with the gain
-// head_norm [hd] before RoPE (Qwen3's q_norm / k_norm; the splitter then gives the instance the whole head). dst gets the low half of each pair, dst2 the high half
-// (q: dst2 points at it; cache: dst2 == dst and the high half is + half).
+// head_norm [hd] before RoPE (Qwen3's q_norm / k_norm; the splitter then gives the instance the whole head),
+// 16 = x is a tagged tensor, 32 = the outputs are tagged words (tdst, tdst2: q, or the new k/v row of a head
+// in a tagged [n_kv, hd] buffer, never the cache; attention then polls them instead of waiting on an event).
+// dst (tdst) gets the low half of each pair, dst2 (tdst2) the high half (q: dst2 points at it; cache: dst2 ==
+// dst and the high half is + half).
 #ifndef MEGART_TASKS_QKV_COMMON_CUH
 #define MEGART_TASKS_QKV_COMMON_CUH
 
@@ -92,6 +95,11 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
       const float c = p.cos[t], s = p.sin[t];
       out_lo = lo * c - hi * s;
       out_hi = hi * c + lo * s;
+    }
+    if (p.mode & at::kModeTaggedOut) {
+      megart::st_tagged(p.tdst, j, __float2bfloat16_rn(out_lo));
+      megart::st_tagged(p.tdst2, j, __float2bfloat16_rn(out_hi));
+      continue;
     }
     const long long row = (p.mode & at::kModeCache) ? (long long)pos * 2 * half : 0;
     const int hoff = (p.mode & at::kModeCache) ? half : 0;

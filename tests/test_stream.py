@@ -46,6 +46,20 @@ def test_auto_depth_follows_the_shared_memory_left():
         assert lay.offset + lay.ring_bytes(threads) <= stream.SMEM_PER_BLOCK - stream.STATIC_RESERVE
 
 
+def test_the_tagged_attention_form_takes_its_static_shared_memory_from_the_ring():
+    """attention_decode's tagged form (MEGART_ATTN_TAGGED, set from the graph) stages a row in static shared
+    memory: the ring is sized against it, and the Llama kernels keep their 5 slots."""
+    auto = {"MEGART_STREAM_SLOTS": "auto"}
+    types = _types("gemv_m1", "qkv_rope_append", "attention_decode")
+    plain = stream.layout(types, KernelConfig(defines=auto))
+    tagged = stream.layout(types, KernelConfig(defines=auto | {"MEGART_ATTN_TAGGED": 1}))
+    assert plain.slots == tagged.slots == 5
+    assert stream.static_reserve(KernelConfig(defines={"MEGART_ATTN_TAGGED": 1})) == \
+        stream.STATIC_RESERVE + stream.ATTN_TAGGED_STATIC
+    assert tagged.offset + tagged.ring_bytes(256) <= stream.SMEM_PER_BLOCK - stream.STATIC_RESERVE - \
+        stream.ATTN_TAGGED_STATIC
+
+
 def test_stage_size():
     """Smaller stages (MEGART_STREAM_STAGE chunks per row): the same bytes in more, smaller slots; the
     kernel is told the slot size; a size the format has no stage for is named."""

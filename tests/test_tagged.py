@@ -177,6 +177,90 @@ def test_explicit_dependencies_with_tagged_vectors_give_the_same_bits(tiny_pair)
     assert torch.equal(out["explicit"], out["infer"])
 
 
+def _attn_waits_on(m, kinds):
+    """The task types whose instances the model's attention instances wait on (events, not polls)."""
+    g = m.pk.graph
+    return {g.instances[d].type.name for i in g.instances if i.type.name == "attention_decode" for d in i.deps} & kinds
+
+
+@pytest.mark.parametrize("cfg_name", ["tiny", "tiny_features", "tiny_fp8_all"])
+def test_tagged_attention_matches_the_event_step_in_the_emulator(cfg_name):
+    """tagged_attn: qkv stores q and the new k/v rows as tagged words, attention polls them and waits on no qkv
+    event, kv_commit appends the rows: three steps give the same logits, tokens and caches."""
+    from megart.models.llama_config import config
+    cfg = llama.tiny().with_(name="tiny_features", n_q=6, n_kv=2, hd=128, tied=False, qk_norm=True, eps=1e-6) \
+        if cfg_name == "tiny_features" else config(cfg_name)     # (GQA group 3, hd 128, q/k norms)
+    W, prefix = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
+    runs = {}
+    for ta in (False, True):
+        m = llama.LlamaModel(cfg, W, clone_kv(prefix), device="cpu", nw=8, tagged_attn=ta)
+        m.reset(cfg.prefill, 3)
+        outs = [tuple(t.clone() for t in m.step()) for _ in range(3)]
+        runs[ta] = (outs, [t.clone() for pair in m.kv for t in pair], m)
+    for (la, ta_), (lb, tb) in zip(runs[False][0], runs[True][0]):
+        assert torch.equal(la, lb) and torch.equal(ta_, tb)
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1]))
+    qkv = {"qkv_rope_append", "qkv_rope_append_fp8"}
+    assert _attn_waits_on(runs[False][2], qkv) and not _attn_waits_on(runs[True][2], qkv)
+    # the tagged form is compiled in only where the graph uses it (TaskType.macros_for), and fits the registers
+    assert runs[True][2].pk.kernel_config().defines.get("MEGART_ATTN_TAGGED") == 1
+    assert "MEGART_ATTN_TAGGED" not in runs[False][2].pk.kernel_config().defines
+    assert runs[True][2].pk.report.spill_bytes == 0
+    g = runs[True][2].pk.graph
+    commits = [i for i in g.instances if i.type.name == "kv_commit"]
+    assert len(commits) == cfg.layers and all(
+        any(g.instances[d].type.name == "attention_decode" for d in i.deps) for i in commits)
+
+
+@pytest.mark.parametrize("slots,merge", [(0, "auto"), ("auto", "auto"), (0, "call")])
+def test_tagged_attention_gives_the_same_bits_in_the_host_run_bodies(tiny_pair, slots, merge):
+    """Two steps through the CUDA bodies on the host: the caches and every other tensor equal the event
+    build's, and q and the new rows carry the last step's tag."""
+    cfg, W, prefix = tiny_pair
+    res = {}
+    for ta in (False, True):
+        m = llama.LlamaModel(cfg, W, clone_kv(prefix), device="cpu", nw=8, tagged_attn=ta, attn_merge=merge,
+                             defines={"MEGART_STREAM_SLOTS": slots})
+        m.reset(cfg.prefill, 5)
+        out = hostsim.run(m.pk, steps=2)
+        res[ta] = {k: (tagged.values(v) if m.pk.graph.tensors[k].tagged else v).clone() for k, v in out.items()}
+        if ta:
+            for name in ("L0.q", "L1.q", "L0.k_new", "L1.v_new"):
+                assert set(tagged.tags(out[name]).tolist()) == {step_tag(m.pk._hostsim_steps)}, name
+    shared = res[False].keys() & res[True].keys()
+    assert {"L0.k_cache", "L1.v_cache", "L0.q", "L0.attn"} <= shared
+    for k in shared:
+        assert torch.equal(res[True][k], res[False][k]), k
+
+
+def test_bad_tagged_attention_inputs_are_refused_by_name():
+    with pytest.raises(ValueError, match="tagged_attn=True needs tagged=True"):
+        llama.LlamaModel(llama.tiny(), device="cpu", nw=8, tagged=False, tagged_attn=True, compile=False)
+    from megart.geometry import attention as ageo   # noqa: F401  (the shapes below are the tiny model's)
+    n_q, n_kv, hd, ms, d = 4, 2, 64, 16, 256
+    pk = megart.PersistentKernel(nw=4, device="cpu")
+    bf = lambda n: torch.zeros(n, dtype=torch.bfloat16)  # noqa: E731
+    T = pk.tensor
+    q_plain, q_tag = T(bf(n_q * hd), "q"), T(tagged.empty(n_q * hd), "qt", tagged=True)
+    kc, vc, pos = T(bf(n_kv * ms * hd), "kc"), T(bf(n_kv * ms * hd), "vc"), T(torch.zeros(1, dtype=torch.int32), "pos")
+    kn, vn = T(tagged.empty(n_kv * hd), "kn", tagged=True), T(tagged.empty(n_kv * hd), "vn", tagged=True)
+    kn_plain = T(bf(n_kv * hd), "kn_plain")
+    qkv = dict(k_cache=kc.data.view(n_kv, ms, hd), v_cache=vc.data.view(n_kv, ms, hd), pos=pos, n_q=n_q, n_kv=n_kv,
+               hd=hd, w_qkv=T(bf((n_q + 2 * n_kv) * hd * d).view(-1, d), "w"), x=T(bf(d), "x"),
+               cos=T(torch.ones(ms, hd // 2), "cos"), sin=T(torch.zeros(ms, hd // 2), "sin"))
+    qkv = {k: (pk.tensor(v, k + "_v") if isinstance(v, torch.Tensor) else v) for k, v in qkv.items()}
+    with pytest.raises(megart.GraphError, match="q, k_new and v_new as tagged tensors, all three"):
+        pk.task("qkv_rope_append", q=q_tag, **qkv)                          # tagged q without the new rows
+    with pytest.raises(megart.GraphError, match="q, k_new and v_new as tagged tensors, all three"):
+        pk.task("qkv_rope_append", q=q_plain, k_new=kn, v_new=vn, **qkv)    # new rows with a plain q
+    with pytest.raises(megart.GraphError, match="k_new must be a tagged tensor"):
+        pk.task("kv_commit", k_new=kn_plain, v_new=vn, k_cache=qkv["k_cache"], v_cache=qkv["v_cache"], pos=pos,
+                n_kv=n_kv, hd=hd)
+    with pytest.raises(megart.GraphError, match="v_new has 64 elements, expected n_kv \\* hd = 128"):
+        pk.task("kv_commit", k_new=kn, v_new=T(tagged.empty(hd), "short", tagged=True), k_cache=qkv["k_cache"],
+                v_cache=qkv["v_cache"], pos=pos, n_kv=n_kv, hd=hd)
+
+
 def test_bad_tagged_options_are_refused_by_name():
     from megart.layout import HANG_POLL
     from megart.stream import hang_site

@@ -29,6 +29,10 @@ step-end write that would have to wait for all of them.
 With tagged=True (the default on one GPU) the residual stream after the embedding, attention's merged output
 and h are tagged tensors (megart/tagged.py): o_proj, gate_up, down and the LM head poll the words they read
 instead of waiting on their writers' events, so of each layer's edges only qkv -> attention is an event.
+With tagged_attn=True that edge goes too: qkv stores q and the new k/v rows as tagged words instead of
+appending to the caches, attention polls them (the cache rows below pos were written by earlier launches),
+and kv_commit appends the rows after the LM head, once every attention instance of the layer has read the
+caches. (Off by default until it is measured on the GPU.)
 
 Dependencies are inferred from the byte ranges each call reads and writes (deps="infer", the default,
 about a second for the 1B graph): its subset events let attention for a kv head start once that head's
@@ -146,7 +150,8 @@ class LlamaModel:
                  tiles: dict | None = None, deps: str = "infer", kv_refs: str = "partition",
                  logits: bool = True, profile: bool = False, profile_steps: int = 16, threads: int = 256,
                  watchdog_s: float | None = None, compile: bool = True, sm_count: int | None = None,
-                 defines: dict | None = None, peers=None, attn_merge: str = "auto", tagged: bool | None = None):
+                 defines: dict | None = None, peers=None, attn_merge: str = "auto", tagged: bool | None = None,
+                 tagged_attn: bool = False):
         if deps not in ("explicit", "infer"):
             raise ValueError(f"deps must be 'explicit' or 'infer', got {deps!r}")
         if attn_merge not in ATTN_MERGE:
@@ -155,6 +160,11 @@ class LlamaModel:
         if not isinstance(tagged, bool):
             raise ValueError(f"tagged must be True or False, got {tagged!r}")
         self.tagged = tagged
+        if not isinstance(tagged_attn, bool):
+            raise ValueError(f"tagged_attn must be True or False, got {tagged_attn!r}")
+        if tagged_attn and not tagged:
+            raise ValueError("tagged_attn=True needs tagged=True (q and the new k/v rows are tagged words)")
+        self.tagged_attn = tagged_attn
         if device is None:
             device = weights.layers[0]["wqkv"].device if weights is not None else (
                 "cuda" if torch.cuda.is_available() else "cpu")
@@ -176,6 +186,7 @@ class LlamaModel:
         self.attn_merge = attn_merge
         self.with_logits = logits and not cfg.block
         self.groups: dict = {}
+        self._attn_calls: list = []   # (each layer's attention call, its cache tensors): for kv_commit
         self._alloc()
         self._build()
         self._host = None
@@ -200,11 +211,15 @@ class LlamaModel:
         tv = lambda n: tagged_words.empty(n, dev) if self.tagged else z(n)  # noqa: E731
         self.xs = [z(c.d) if i == 0 or (c.block and i == c.layers) else tv(c.d) for i in range(c.layers + 1)]
         self.xm = [tv(c.d) for _ in range(c.layers)]
-        self.q = [z(c.n_q * c.hd) for _ in range(c.layers)]
+        ta = lambda n: tagged_words.empty(n, dev) if self.tagged_attn else None  # noqa: E731
+        self.q = [ta(c.n_q * c.hd) if self.tagged_attn else z(c.n_q * c.hd) for _ in range(c.layers)]
+        self.kv_new = [(ta(c.n_kv * c.hd), ta(c.n_kv * c.hd)) for _ in range(c.layers)] if self.tagged_attn else None
         self.attn = [tv(c.n_q * c.hd) for _ in range(c.layers)]
         split_fp8 = c.wdtype == "fp8" and c.fp8_gate_up != "fused"
         self.h = [z(c.ffn) if split_fp8 else tv(c.ffn) for _ in range(c.layers)]
-        self._tagged_ptrs = {t.data_ptr() for t in (*self.xs, *self.xm, *self.attn, *self.h) if t.dtype == torch.int32}
+        new_rows = [t for pair in self.kv_new or () for t in pair]
+        self._tagged_ptrs = {t.data_ptr() for t in (*self.xs, *self.xm, *self.attn, *self.h, *self.q, *new_rows)
+                             if t.dtype == torch.int32}
         self.part_o = [z(c.n_kv, self.chunks, c.group, c.hd, dtype=f32) for _ in range(c.layers)]
         self.part_ml = [z(c.n_kv, self.chunks, c.group, 2, dtype=f32) for _ in range(c.layers)]
         self.merge_fused = merge_fused(self.attn_merge, c, self.chunks)
@@ -274,10 +289,22 @@ class LlamaModel:
             g_lm = self._task("lm_head", "lm_head_argmax_fp8" if c.fp8_head else "lm_head_argmax", [g_prev], w=head,
                               x=xs[-1], part_val=pv, part_idx=pi, norm_weight=T(W.final_norm, "final_norm"), eps=eps,
                               tiles=tl["lm"], **extra)
+        self._kv_commits(pos)
+        if not c.block:
             # token is read by the embedding at the step's start: that write-after-read is implied here
             g_am = self._task("argmax", "argmax_reduce", [g_lm], token=token, part_val=pv, part_idx=pi)
             self._task("token_record", "token_record", [g_am],
                        history=T(self.history, "history"), token=token, pos=pos)
+
+    def _kv_commits(self, pos):
+        """tagged_attn: each layer's new k/v rows appended to its caches, after the layer's attention call (which
+        read the caches) and off the step's critical path (after the LM head, or the last layer of a block)."""
+        if not self.tagged_attn:
+            return
+        c = self.cfg
+        for l, (g_att, caches) in enumerate(self._attn_calls):
+            self._task(f"L{l}.kv_commit", "kv_commit", [g_att], **caches, pos=pos, n_kv=c.n_kv, hd=c.hd,
+                       max_seq=c.max_seq)
 
     def _attention(self, l, g_prev, g_pos, x, pos, cos, sin):
         """Layer l's attention half up to its merged output: qkv (fused norm, RoPE, KV append) after g_prev
@@ -289,8 +316,12 @@ class LlamaModel:
         kct, vct = T(kc, p + "k_cache"), T(vc, p + "v_cache")
         qk_norm = dict(q_norm=T(L["q_norm"], p + "q_norm"), k_norm=T(L["k_norm"], p + "k_norm")) if c.qk_norm else {}
         fp8 = dict(scale=T(L["swqkv"], p + "swqkv")) if c.fp8_qkv else {}
+        new = {}
+        if self.tagged_attn:   # q and the new rows as tagged words; the caches are appended by kv_commit
+            kn, vn = self.kv_new[l]
+            new = dict(k_new=T(kn, p + "k_new"), v_new=T(vn, p + "v_new"))
         g_qkv = self._task(p + "qkv", "qkv_rope_append_fp8" if c.fp8_qkv else "qkv_rope_append", [g_prev, g_pos],
-                           q=q, k_cache=kct, v_cache=vct, w_qkv=T(L["wqkv"], p + "wqkv"), x=x, **fp8,
+                           q=q, k_cache=kct, v_cache=vct, w_qkv=T(L["wqkv"], p + "wqkv"), x=x, **fp8, **new,
                            norm_weight=T(L["in_norm"], p + "in_norm"), eps=c.eps, cos=cos, sin=sin, pos=pos,
                            n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, kv_refs=self.kv_refs, tiles=tl["qkv"], **qk_norm)
         po, pm = T(self.part_o[l], p + "part_o"), T(self.part_ml[l], p + "part_ml")
@@ -299,7 +330,8 @@ class LlamaModel:
         g_att = self._task(p + "attn", "attention_decode", [g_qkv],
                            q=q, k_cache=kct, v_cache=vct, pos=pos, part_o=po, part_ml=pm, n_q=c.n_q,
                            n_kv=c.n_kv, hd=c.hd, max_seq=c.max_seq, chunks=self.chunks,
-                           tiles=self.chunks * c.n_kv, **fused)
+                           tiles=self.chunks * c.n_kv, **fused, **new)
+        self._attn_calls.append((g_att, dict(k_cache=kct, v_cache=vct, **new)))
         if self.merge_fused:
             return a, g_att
         g_mrg = self._task(p + "merge", "attention_merge", [g_att], out=a, part_o=po, part_ml=pm,

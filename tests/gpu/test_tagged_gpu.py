@@ -39,6 +39,30 @@ def test_tagged_step_gives_the_plain_steps_bits(name, cuda):
     assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
 
 
+@pytest.mark.parametrize("name", ["tiny", "1b"])
+def test_tagged_attention_gives_the_event_steps_bits(name, cuda):
+    """tagged_attn: qkv -> attention through tagged q and new K/V rows (kv_commit appends the rows after the LM
+    head): logits, tokens and both caches equal the step where attention waits on qkv's events."""
+    cfg = llama.tiny() if name == "tiny" else llama.llama_1b()
+    W = llama.make_weights(cfg, 0, cuda)
+    prefix = llama.make_kv_cache(cfg, 1, cuda)
+    steps = 24 if name == "tiny" else 8
+    runs = {}
+    for ta in (False, True):
+        m = llama.LlamaModel(cfg, W, clone_kv(prefix), tagged_attn=ta)
+        m.reset(cfg.prefill, 3)
+        logits, tokens = [], []
+        for _ in range(steps):
+            lg, tok = m.step()
+            logits.append(lg.clone())
+            tokens.append(tok.clone())
+        m.sync()
+        runs[ta] = (torch.stack(logits), torch.cat(tokens), [kv.clone() for pair in m.kv for kv in pair])
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][1], runs[False][1])
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
+
+
 def test_a_poll_that_never_sees_its_tag_raises_hang_error(cuda, tmp_path):
     src = tmp_path / "forgets_tag.cuh"   # declares a tagged output and stores nothing
     src.write_text("__device__ __forceinline__ void megart_task_forgets_tag(const megart_params_forgets_tag&, char*) {}\n")
