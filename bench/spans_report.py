@@ -1,0 +1,120 @@
+"""Where a profiled step's time goes, per worker and per call, from the raw span records that
+`bench/stream_bench.py --spans DIR` saves (one .npz per config and variant).
+
+    PYTHONPATH=. python bench/spans_report.py out/spans/1b_default.npz [--layer 1]
+
+Two tables, medians over the profiled steps after the first:
+* per worker: the step (first wait to last end), each worker's summed body time (mean and busiest), its
+  summed wait before bodies, and how long it sat idle after its last instance. With every dependency wait
+  passed at once (MEGART_DIAG_NO_WAIT=3) the busiest worker's body time is what the instances alone cost;
+  the per-kind rows say which calls make it.
+* one layer's calls: first begin, median end and last end, in us from the step's start (the spread between
+  the median and the last end is the call's straggler tail).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from megart.layout import SPAN  # noqa: E402
+
+WORKER, WAIT, BEGIN, END, STEP, INSTANCE = (SPAN[k] for k in ("worker", "wait_start", "body_begin", "body_end",
+                                                                "step", "instance"))
+
+
+def call_kind(label: str) -> str:
+    """"L3.gate_up" -> "gate_up"; labels outside a layer stay as they are."""
+    return re.sub(r"^L\d+\.", "", label)
+
+
+def load(path) -> tuple[np.ndarray, np.ndarray, list]:
+    z = np.load(path)
+    return z["records"].astype(np.int64), z["call_of"], [str(x) for x in z["labels"]]
+
+
+def _step_rows(records, call_of, step):
+    r = records[records[:, STEP] == step]
+    ci = call_of[r[:, INSTANCE]]
+    keep = ci >= 0
+    return r[keep], ci[keep]
+
+
+def per_worker(records, call_of, labels, step) -> dict:
+    """One step: the step's span, per-worker sums (us) and, per call kind, the mean and busiest worker's body."""
+    r, ci = _step_rows(records, call_of, step)
+    kinds = list(dict.fromkeys(call_kind(lb) for lb in labels))
+    kind = np.array([kinds.index(call_kind(lb)) for lb in labels])[ci]
+    nw = int(r[:, WORKER].max()) + 1
+    t0, t1 = r[:, WAIT].min(), r[:, END].max()
+    body, wait = r[:, END] - r[:, BEGIN], r[:, BEGIN] - r[:, WAIT]
+    last_end = np.full(nw, t0)
+    np.maximum.at(last_end, r[:, WORKER], r[:, END])
+    by_kind = np.zeros((len(kinds), nw))
+    np.add.at(by_kind, (kind, r[:, WORKER]), body)
+    per_w = np.bincount(r[:, WORKER], body, nw)
+    return dict(step_us=(t1 - t0) / 1e3, body_mean_us=per_w.mean() / 1e3, body_max_us=per_w.max() / 1e3,
+                wait_mean_us=np.bincount(r[:, WORKER], wait, nw).mean() / 1e3,
+                idle_after_mean_us=(t1 - last_end).mean() / 1e3,
+                kinds={k: (by_kind[i].mean() / 1e3, by_kind[i].max() / 1e3) for i, k in enumerate(kinds)})
+
+
+def timeline(records, call_of, labels, step, prefix: str) -> list:
+    """The calls whose label starts with `prefix` (say "L1."), in graph order: (label, first begin, median end,
+    last end), us from the step's start."""
+    r, ci = _step_rows(records, call_of, step)
+    t0 = r[:, WAIT].min()
+    rows = []
+    for i, lb in enumerate(labels):
+        if not lb.startswith(prefix):
+            continue
+        x = r[ci == i]
+        if len(x):
+            rows.append((lb, (x[:, BEGIN].min() - t0) / 1e3, (np.median(x[:, END]) - t0) / 1e3,
+                         (x[:, END].max() - t0) / 1e3))
+    return rows
+
+
+def _median_of(dicts: list) -> dict:
+    out = {k: float(np.median([d[k] for d in dicts])) for k in dicts[0] if k != "kinds"}
+    out["kinds"] = {k: tuple(float(np.median([d["kinds"][k][j] for d in dicts])) for j in (0, 1))
+                    for k in dicts[0]["kinds"]}
+    return out
+
+
+def report(path, layer: int = 1) -> str:
+    records, call_of, labels = load(path)
+    steps = sorted(set(records[:, STEP].tolist()))
+    use = steps[1:] or steps          # the first profiled step is the least settled
+    w = _median_of([per_worker(records, call_of, labels, s) for s in use])
+    lines = [f"{Path(path).name}: {len(use)} steps, step {w['step_us']:.1f} us; per worker: body mean "
+             f"{w['body_mean_us']:.1f} / busiest {w['body_max_us']:.1f}, waiting {w['wait_mean_us']:.1f}, idle after "
+             f"its last instance {w['idle_after_mean_us']:.1f}",
+             f"  {'kind':14s} {'body/worker':>12s} {'busiest':>9s}"]
+    lines += [f"  {k:14s} {m:12.1f} {x:9.1f}" for k, (m, x) in w["kinds"].items()]
+    mid = use[len(use) // 2]
+    lines.append(f"  layer {layer}, step {mid} (us from the step's start): first begin / median end / last end")
+    lines += [f"  {lb:14s} {b:8.1f} {me:8.1f} {le:8.1f}" for lb, b, me, le in
+              timeline(records, call_of, labels, mid, f"L{layer}.")]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("spans", nargs="+", help=".npz files from bench/stream_bench.py --spans")
+    ap.add_argument("--layer", type=int, default=1, help="the layer whose call timeline is printed")
+    args = ap.parse_args(argv)
+    for p in args.spans:
+        print(report(p, args.layer))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

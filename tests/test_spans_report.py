@@ -1,0 +1,39 @@
+"""bench/spans_report.py: per-worker sums and a layer's call timeline from raw span records."""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import spans_report  # noqa: E402
+from megart.layout import SPAN, SPAN_WORDS  # noqa: E402
+
+
+def _records(rows):
+    """rows: (step, instance uid, worker, wait_start, body_begin, body_end), times in ns."""
+    r = np.zeros((len(rows), SPAN_WORDS), dtype=np.int64)
+    for i, (st, uid, w, ws, bb, be) in enumerate(rows):
+        r[i, [SPAN["step"], SPAN["instance"], SPAN["worker"], SPAN["wait_start"], SPAN["body_begin"],
+              SPAN["body_end"]]] = st, uid, w, ws, bb, be
+    return r
+
+
+def test_per_worker_and_timeline(tmp_path):
+    labels = ["L0.qkv", "L0.attn", "L1.qkv"]
+    call_of = np.array([0, 0, 1, 2, -1])          # uid 4 belongs to no call and is left out
+    one_step = [(0, 0, 1000, 2000), (1, 1, 1000, 3000), (2, 0, 5000, 9000), (3, 1, 4000, 6000), (4, 1, 0, 100000)]
+    rows = [(st, uid, w, ws + 100000 * st, bb + 100000 * st, bb + 100000 * st + (d - bb))
+            for st in (1, 2) for uid, w, bb, d in one_step for ws in [bb - 500]]
+    path = tmp_path / "x.npz"
+    np.savez_compressed(path, records=_records(rows), call_of=call_of, labels=np.array(labels))
+    rec, co, lb = spans_report.load(path)
+    w = spans_report.per_worker(rec, co, lb, 2)
+    # worker 0: bodies 1 + 4 us, worker 1: 2 + 2 us; every body waited 0.5 us; the step runs 0.5 .. 9 us
+    assert abs(w["step_us"] - 8.5) < 1e-9 and abs(w["body_mean_us"] - 4.5) < 1e-9 and abs(w["body_max_us"] - 5) < 1e-9
+    assert abs(w["wait_mean_us"] - 1.0) < 1e-9 and abs(w["idle_after_mean_us"] - 1.5) < 1e-9
+    assert w["kinds"]["qkv"] == (2.5, 4.0) and w["kinds"]["attn"] == (2.0, 4.0)   # (L1.qkv is a qkv too)
+    tl = spans_report.timeline(rec, co, lb, 2, "L0.")
+    assert [t[0] for t in tl] == ["L0.qkv", "L0.attn"]
+    assert np.allclose(tl[0][1:], (0.5, 2.0, 2.5)) and np.allclose(tl[1][1:], (4.5, 8.5, 8.5))
+    text = spans_report.report(path, layer=0)
+    assert "busiest 5.0" in text and "L0.attn" in text and "L1.qkv" not in text
