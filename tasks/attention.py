@@ -65,6 +65,11 @@ def _check_q_and_caches(T, qr, kr, vr, n_q, n_kv, hd, max_seq) -> int:
     """q holds n_q heads, the caches n_kv heads of max_seq positions each (as declared, if declared): the
     cache length."""
     require(qr.count == n_q * hd, T, f"q has {qr.count} elements, expected n_q * hd = {n_q * hd}")
+    return _cache_len(T, kr, vr, n_kv, hd, max_seq)
+
+
+def _cache_len(T, kr, vr, n_kv, hd, max_seq) -> int:
+    """The caches hold n_kv heads of max_seq positions each (as declared, if declared): the cache length."""
     require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
             f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
     ms = kr.count // (n_kv * hd)
@@ -94,6 +99,17 @@ def _sub_counts(total, n, cap):
     return [min(cap, max(1, base + (1 if i < extra else 0))) for i in range(n)]
 
 
+def _tagged_rows(T, k_new, v_new, n_kv, hd) -> dict:
+    """k_new and v_new as refs ({"k_new": ref, "v_new": ref}): tagged tensors of n_kv * hd elements each."""
+    out = {}
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        r = as_ref(t, name)
+        require(r.tensor.tagged, T, f"{name} must be a tagged tensor (pk.tensor(..., tagged=True))")
+        require(r.count == n_kv * hd, T, f"{name} has {r.count} elements, expected n_kv * hd = {n_kv * hd}")
+        out[name] = r
+    return out
+
+
 def _new_rows(T, qr, k_new, v_new, n_kv, hd):
     """The tagged form's [n_kv, hd] buffers of this step's new k and v rows ({"k": ref, "v": ref}), or None.
     q, k_new and v_new are tagged tensors together or not at all: qkv writes them as tagged words instead of
@@ -102,14 +118,10 @@ def _new_rows(T, qr, k_new, v_new, n_kv, hd):
         return None
     require(k_new is not None and v_new is not None and qr.tensor.tagged, T,
             "the tagged form takes q, k_new and v_new as tagged tensors, all three (pk.tensor(..., tagged=True))")
-    out = {}
-    for name, t in (("k", k_new), ("v", v_new)):
-        r = as_ref(t, f"{name}_new")
-        require(r.tensor.tagged, T, f"{name}_new must be a tagged tensor (pk.tensor(..., tagged=True))")
-        require(r.count == n_kv * hd, T, f"{name}_new has {r.count} elements, expected n_kv * hd = {n_kv * hd}")
-        _aligned16(r, f"{name}_new", T)
-        out[name] = r
-    return out
+    rows = _tagged_rows(T, k_new, v_new, n_kv, hd)
+    for name, r in rows.items():
+        _aligned16(r, name, T)
+    return {"k": rows["k_new"], "v": rows["v_new"]}
 
 
 def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q, n_kv, hd, norm_weight=None,
@@ -559,19 +571,9 @@ def _commit_split(nw, tiles=1, *, k_new, v_new, k_cache, v_cache, pos, n_kv, hd,
     require(hd in ATTN_HD, T, f"hd must be one of {ATTN_HD}, got {hd}")
     require(n_kv >= 1, T, f"n_kv must be >= 1, got {n_kv}")
     kr, vr, pr = as_ref(k_cache, "k_cache"), as_ref(v_cache, "v_cache"), as_ref(pos, "pos")
-    require(kr.count == vr.count and kr.count % (n_kv * hd) == 0, T,
-            f"k_cache/v_cache must both hold n_kv * max_seq * hd elements (got {kr.count}, {vr.count})")
-    ms = kr.count // (n_kv * hd)
-    _check_caches(T, kr, vr, n_kv, ms, hd)
-    require(max_seq is None or max_seq == ms, T, f"max_seq={max_seq} but the caches hold {ms} positions")
+    ms = _cache_len(T, kr, vr, n_kv, hd, max_seq)
     require(pr.count == 1, T, f"pos must be a single i32 element, has {pr.count}")
-    new = {}
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        r = as_ref(t, name)
-        require(r.tensor.tagged, T, f"{name} must be a tagged tensor (pk.tensor(..., tagged=True))")
-        require(r.count == n_kv * hd, T, f"{name} has {r.count} elements, expected n_kv * hd = {n_kv * hd}")
-        new[name] = r
-    return [dict(k_new=new["k_new"], v_new=new["v_new"], k_cache=kr, v_cache=vr, pos=pr, n=n_kv * hd, hd=hd,
+    return [dict(**_tagged_rows(T, k_new, v_new, n_kv, hd), k_cache=kr, v_cache=vr, pos=pr, n=n_kv * hd, hd=hd,
                  max_seq=ms)]
 
 

@@ -145,18 +145,25 @@ def test_llama_tagged_step_matches_the_plain_step_in_the_emulator(tiny_pair):
     #                                                               writes it plain)
 
 
+def _host_steps(tiny_pair, slots, merge, **model_kw):
+    """Two steps of the tiny model through the CUDA bodies on the host: (every tensor's values, the raw
+    tensors, the model)."""
+    cfg, W, prefix = tiny_pair
+    m = llama.LlamaModel(cfg, W, clone_kv(prefix), device="cpu", nw=8, attn_merge=merge,
+                         defines={"MEGART_STREAM_SLOTS": slots}, **model_kw)
+    m.reset(cfg.prefill, 5)
+    out = hostsim.run(m.pk, steps=2)
+    values = {k: (tagged.values(v) if m.pk.graph.tensors[k].tagged else v).clone() for k, v in out.items()}
+    return values, out, m
+
+
 @pytest.mark.parametrize("slots,merge", [(0, "auto"), ("auto", "auto"), (0, "call")])
 def test_llama_tagged_step_gives_the_same_bits_in_the_host_run_bodies(tiny_pair, slots, merge):
     """Two whole steps through the CUDA bodies on the host: every tensor's values equal the plain kernel's,
     and every tagged word carries the last step's tag (a poll of an untagged word faults the run)."""
-    cfg, W, prefix = tiny_pair
     res = {}
     for tg in (False, True):
-        m = llama.LlamaModel(cfg, W, clone_kv(prefix), device="cpu", nw=8, tagged=tg, attn_merge=merge,
-                             defines={"MEGART_STREAM_SLOTS": slots})
-        m.reset(cfg.prefill, 5)
-        out = hostsim.run(m.pk, steps=2)
-        res[tg] = {k: (tagged.values(v) if m.pk.graph.tensors[k].tagged else v).clone() for k, v in out.items()}
+        res[tg], out, m = _host_steps(tiny_pair, slots, merge, tagged=tg)
         if tg:
             for t in m.pk.graph.tagged_tensors():
                 assert set(tagged.tags(out[t.name]).tolist()) == {step_tag(m.pk._hostsim_steps)}, t.name
@@ -216,14 +223,9 @@ def test_tagged_attention_matches_the_event_step_in_the_emulator(cfg_name):
 def test_tagged_attention_gives_the_same_bits_in_the_host_run_bodies(tiny_pair, slots, merge):
     """Two steps through the CUDA bodies on the host: the caches and every other tensor equal the event
     build's, and q and the new rows carry the last step's tag."""
-    cfg, W, prefix = tiny_pair
     res = {}
     for ta in (False, True):
-        m = llama.LlamaModel(cfg, W, clone_kv(prefix), device="cpu", nw=8, tagged_attn=ta, attn_merge=merge,
-                             defines={"MEGART_STREAM_SLOTS": slots})
-        m.reset(cfg.prefill, 5)
-        out = hostsim.run(m.pk, steps=2)
-        res[ta] = {k: (tagged.values(v) if m.pk.graph.tensors[k].tagged else v).clone() for k, v in out.items()}
+        res[ta], out, m = _host_steps(tiny_pair, slots, merge, tagged_attn=ta)
         if ta:
             for name in ("L0.q", "L1.q", "L0.k_new", "L1.v_new"):
                 assert set(tagged.tags(out[name]).tolist()) == {step_tag(m.pk._hostsim_steps)}, name
@@ -236,7 +238,6 @@ def test_tagged_attention_gives_the_same_bits_in_the_host_run_bodies(tiny_pair, 
 def test_bad_tagged_attention_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="tagged_attn=True needs tagged=True"):
         llama.LlamaModel(llama.tiny(), device="cpu", nw=8, tagged=False, tagged_attn=True, compile=False)
-    from megart.geometry import attention as ageo   # noqa: F401  (the shapes below are the tiny model's)
     n_q, n_kv, hd, ms, d = 4, 2, 64, 16, 256
     pk = megart.PersistentKernel(nw=4, device="cpu")
     bf = lambda n: torch.zeros(n, dtype=torch.bfloat16)  # noqa: E731

@@ -211,8 +211,8 @@ class LlamaModel:
         tv = lambda n: tagged_words.empty(n, dev) if self.tagged else z(n)  # noqa: E731
         self.xs = [z(c.d) if i == 0 or (c.block and i == c.layers) else tv(c.d) for i in range(c.layers + 1)]
         self.xm = [tv(c.d) for _ in range(c.layers)]
-        ta = lambda n: tagged_words.empty(n, dev) if self.tagged_attn else None  # noqa: E731
-        self.q = [ta(c.n_q * c.hd) if self.tagged_attn else z(c.n_q * c.hd) for _ in range(c.layers)]
+        ta = lambda n: tagged_words.empty(n, dev) if self.tagged_attn else z(n)  # noqa: E731
+        self.q = [ta(c.n_q * c.hd) for _ in range(c.layers)]
         self.kv_new = [(ta(c.n_kv * c.hd), ta(c.n_kv * c.hd)) for _ in range(c.layers)] if self.tagged_attn else None
         self.attn = [tv(c.n_q * c.hd) for _ in range(c.layers)]
         split_fp8 = c.wdtype == "fp8" and c.fp8_gate_up != "fused"

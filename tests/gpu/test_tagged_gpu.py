@@ -13,23 +13,31 @@ from megart.models.llama_config import clone_kv
 pytestmark = pytest.mark.gpu
 
 
+def _inputs(name, cuda):
+    """(config, weights, KV prefix, steps): the tiny model for 24 steps or the 1B shape for 8."""
+    cfg = llama.tiny() if name == "tiny" else llama.llama_1b()
+    return cfg, llama.make_weights(cfg, 0, cuda), llama.make_kv_cache(cfg, 1, cuda), 24 if name == "tiny" else 8
+
+
+def _decode(cfg, W, prefix, steps, **model_kw):
+    """`steps` greedy steps from the prefix: (logits, tokens, the KV caches, the model)."""
+    m = llama.LlamaModel(cfg, W, clone_kv(prefix), **model_kw)
+    m.reset(cfg.prefill, 3)
+    logits, tokens = [], []
+    for _ in range(steps):
+        lg, tok = m.step()
+        logits.append(lg.clone())
+        tokens.append(tok.clone())
+    m.sync()
+    return torch.stack(logits), torch.cat(tokens), [kv.clone() for pair in m.kv for kv in pair], m
+
+
 @pytest.mark.parametrize("name", ["tiny", "1b"])
 def test_tagged_step_gives_the_plain_steps_bits(name, cuda):
-    cfg = llama.tiny() if name == "tiny" else llama.llama_1b()
-    W = llama.make_weights(cfg, 0, cuda)
-    prefix = llama.make_kv_cache(cfg, 1, cuda)
-    steps = 24 if name == "tiny" else 8
+    inputs = _inputs(name, cuda)
     runs = {}
     for tg in (False, True):
-        m = llama.LlamaModel(cfg, W, clone_kv(prefix), tagged=tg)
-        m.reset(cfg.prefill, 3)
-        logits, tokens = [], []
-        for _ in range(steps):
-            lg, tok = m.step()
-            logits.append(lg.clone())
-            tokens.append(tok.clone())
-        m.sync()
-        runs[tg] = (torch.stack(logits), torch.cat(tokens), [kv.clone() for pair in m.kv for kv in pair])
+        *runs[tg], m = _decode(*inputs, tagged=tg)
         if tg:   # every tagged vector carries the last step's tag
             last = step_tag(m.pk.step)
             for t in m.pk.graph.tagged_tensors():
@@ -43,21 +51,8 @@ def test_tagged_step_gives_the_plain_steps_bits(name, cuda):
 def test_tagged_attention_gives_the_event_steps_bits(name, cuda):
     """tagged_attn: qkv -> attention through tagged q and new K/V rows (kv_commit appends the rows after the LM
     head): logits, tokens and both caches equal the step where attention waits on qkv's events."""
-    cfg = llama.tiny() if name == "tiny" else llama.llama_1b()
-    W = llama.make_weights(cfg, 0, cuda)
-    prefix = llama.make_kv_cache(cfg, 1, cuda)
-    steps = 24 if name == "tiny" else 8
-    runs = {}
-    for ta in (False, True):
-        m = llama.LlamaModel(cfg, W, clone_kv(prefix), tagged_attn=ta)
-        m.reset(cfg.prefill, 3)
-        logits, tokens = [], []
-        for _ in range(steps):
-            lg, tok = m.step()
-            logits.append(lg.clone())
-            tokens.append(tok.clone())
-        m.sync()
-        runs[ta] = (torch.stack(logits), torch.cat(tokens), [kv.clone() for pair in m.kv for kv in pair])
+    inputs = _inputs(name, cuda)
+    runs = {ta: _decode(*inputs, tagged_attn=ta)[:3] for ta in (False, True)}
     assert torch.equal(runs[True][0], runs[False][0])
     assert torch.equal(runs[True][1], runs[False][1])
     assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
