@@ -197,21 +197,45 @@ def time_torch_tp(cfg, lc, Ws, kvs, world, rank, timer, n) -> float:
 REF_GATE = 3e-2     # the single-GPU gate against the reference (tests/gpu/test_llama_gpu.py TOL, "bf16" precision)
 
 
-def greedy_tp1(one, ref, cfg, start, steps):
+def greedy_tp1(one, ref, cfg, start, steps, budget=None):
     """The single-GPU model greedily from token `start` at cfg.prefill; the reference (or None) fed the same
-    tokens at the same positions. Returns (each step's input token, TP=1's tokens, its logits, the reference's)."""
+    tokens at the same positions. Returns (each step's input token, TP=1's tokens, its logits, the reference's).
+    `budget` ({name: Reference}): the error budget's implementations, fed the same tokens; each step's relerr
+    against the reference is appended to budget_errs[name] (returned fifth when budget is given)."""
     one.reset(cfg.prefill, start, clear_kv=True)
     ins, toks, l1, lr = [], [], [], []
+    errs = {k: [] for k in (budget or {})}
     t = start
     for s in range(steps):
         lg, tok = one.step(t)
         l1.append(lg.clone())
         if ref is not None:
             lr.append(ref.step(t, cfg.prefill + s).float())
+            for k, r in (budget or {}).items():
+                errs[k].append(llama.relerr(r.step(t, cfg.prefill + s).float(), lr[-1]))
         ins.append(t)
         t = int(tok)
         toks.append(t)
-    return ins, toks, l1, lr
+    return (ins, toks, l1, lr, errs) if budget is not None else (ins, toks, l1, lr)
+
+
+def error_budget_refs(cfg, weights, kv) -> dict:
+    """E and D at this shape (docs/MODEL.md "Tolerances: E and D"): two independent correct implementations
+    (all-fp32; plain bf16 torch) and the cheapest feature drop (skip the last layer), each against the bf16
+    reference over the same greedy tokens. They say how far apart correct implementations of this shape end,
+    which is what a relerr between TP=2 and TP=1 is to be read against."""
+    return {"E_fp32": Reference(cfg, weights, kv, precision="fp32"),
+            "E_torch_bf16": Reference(cfg, weights, kv, precision="torch"),
+            "D_skip_last_layer": Reference(cfg, weights, kv, skip_layers={cfg.layers - 1})}
+
+
+def budget_report(errs: dict) -> dict:
+    """Per implementation: worst and median relerr against the reference over the run (E: the worst is the
+    spread; D: the smallest is the drop's least visible step)."""
+    out = {}
+    for k, v in errs.items():
+        out[k] = {"max": round(max(v), 5), "median": round(med(v), 5), "min": round(min(v), 5)} if v else None
+    return out
 
 
 def feed(step, ins):
@@ -245,7 +269,7 @@ def relerr_report(l1, lr, l2, toks1, toks2) -> dict:
     return out
 
 
-def greedy_relerr(one, tp, cfg, world, rank, steps, dev) -> dict:
+def greedy_relerr(one, tp, cfg, world, rank, steps, dev, error_budget=False) -> dict:
     """Rank 0 runs the single-GPU model greedily and the reference ("bf16" precision, the single-GPU gate's)
     on its tokens; the inputs are broadcast and fed to the TP model."""
     start = 11
@@ -253,9 +277,11 @@ def greedy_relerr(one, tp, cfg, world, rank, steps, dev) -> dict:
     toks1 = l1 = lr = None
     if rank == 0:
         ref = Reference(cfg, one.weights, one.kv)      # (its own copy of the prefilled caches)
-        got, toks1, l1, lr = greedy_tp1(one, ref, cfg, start, steps)
+        budget = error_budget_refs(cfg, one.weights, one.kv) if error_budget else None
+        got, toks1, l1, lr, *errs = greedy_tp1(one, ref, cfg, start, steps, budget)
         ins.copy_(torch.tensor(got, dtype=torch.int64))
-        del ref
+        del ref, budget
+        torch.cuda.empty_cache()
     dist.broadcast(ins, 0)
     lo, hi = tp.vocab_slice
 
@@ -269,7 +295,10 @@ def greedy_relerr(one, tp, cfg, world, rank, steps, dev) -> dict:
     tp.sync()
     if rank != 0:
         return dict(greedy_steps=steps)
-    return dict(greedy_steps=steps, **relerr_report(l1, lr, l2, toks1, toks2))
+    out = dict(greedy_steps=steps, **relerr_report(l1, lr, l2, toks1, toks2))
+    if errs:
+        out["error_budget"] = budget_report(errs[0])
+    return out
 
 
 # --- where the time goes: profiled builds (after every timed figure; their own kernels) ------------------
@@ -389,6 +418,9 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     ap.add_argument("--steps", type=int, default=200, help="timed steps per measure")
     ap.add_argument("--greedy", type=int, default=100, help="steps of the relerr run")
+    ap.add_argument("--error-budget", action="store_true",
+                    help="rank 0 also runs E (all-fp32, plain bf16 torch) and D (last layer skipped) references on "
+                         "the greedy run's tokens (JSON error_budget)")
     ap.add_argument("--rounds", type=int, default=64, help="all-reduces per timed chain")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--attn-chunks", default="match", choices=ATTN_CHUNKS,
@@ -452,12 +484,14 @@ def main(argv=None):
         del plain
         log(f"TP=2 with o_proj's sum as a call of its own: {res['tp2_unfolded_us']} us/step")
     try:
-        res.update(greedy_relerr(one, tp, cfg, world, rank, args.greedy, dev))
+        res.update(greedy_relerr(one, tp, cfg, world, rank, args.greedy, dev, args.error_budget))
         if rank == 0:
             e = lambda k: "-" if res.get(k) is None else f"{res[k]:.3e}"  # noqa: E731
             log(f"relerr vs TP=1 max {e('relerr')} median {e('relerr_median')}, tokens {res['token_agreement']}; "
                 f"vs reference (gate {REF_GATE}): TP=1 max {e('relerr_tp1_ref')} median {e('relerr_tp1_ref_median')}, "
                 f"TP=2 max {e('relerr_tp2_ref')} median {e('relerr_tp2_ref_median')}")
+            if res.get("error_budget"):
+                log(f"error budget vs the reference (max / median / min over the run): {res['error_budget']}")
     except Exception as exc:   # recorded, not hidden: the JSON says what failed
         res["relerr_error"] = f"{type(exc).__name__}: {exc}"[:500]
         log("greedy relerr failed:", res["relerr_error"])

@@ -47,6 +47,23 @@ def test_greedy_relerr_fields(bench):
     assert "relerr_tp1_ref" in bench.relerr_report(l1, [], l2, toks1, toks2)
 
 
+def test_error_budget_over_the_greedy_tokens(bench):
+    """E and D at the run's shape: each implementation is fed the reference's tokens, and the drop sits far
+    above the fp32 spread (the reading the TP=2-vs-TP=1 relerr is measured against)."""
+    cfg, steps = llama.tiny(), 3
+    W, kv = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
+    one = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW)
+    budget = bench.error_budget_refs(cfg, W, kv)
+    ins, toks1, l1, lr, errs = bench.greedy_tp1(one, Reference(cfg, W, kv), cfg, 11, steps, budget)
+    assert set(errs) == {"E_fp32", "E_torch_bf16", "D_skip_last_layer"} and all(len(v) == steps for v in errs.values())
+    rep = bench.budget_report(errs)
+    assert 0 < rep["E_fp32"]["max"] < 0.05 and rep["D_skip_last_layer"]["min"] > 10 * rep["E_fp32"]["max"]
+    assert rep["E_torch_bf16"]["max"] >= rep["E_torch_bf16"]["median"] >= rep["E_torch_bf16"]["min"] > 0
+    # the budget's references step on copies of the caches: the reference itself is unchanged by them
+    _, _, _, lr2 = bench.greedy_tp1(one, Reference(cfg, W, kv), cfg, 11, steps)
+    assert all(bool((a == b).all()) for a, b in zip(lr, lr2))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_profile_summary_per_call_kind(bench, world):
     cfg = llama.tiny().with_(n_q=8, n_kv=4)
