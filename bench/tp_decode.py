@@ -18,8 +18,11 @@ All in one run, every figure measured here:
 * relerr_tp1_ref / relerr_tp2_ref  TP=1 and TP=2 logits, each against the PyTorch reference fed the same
              tokens (megart.models.reference, "bf16" precision: what the single-GPU gate of 3e-2 is measured
              against); each relerr also has its _median, and relerr_per_step lists all three per step
-* tp2_unfolded_us  (--compare-unfolded) the TP=2 step again with o_proj's all-reduce as a tp_sum_f32 call of
-             its own (LlamaTPRank(fold_sums=False)) instead of summed in gate_up's x staging (the default)
+* tp2_unfolded_us  (--compare-unfolded) the TP=2 step again with the all-reduces as tp_sum_f32 calls of their
+             own (LlamaTPRank(fold_sums=False)) instead of summed in the next call's x staging (the default:
+             o_proj's in gate_up's, down's in the next layer's qkv's)
+* tp2_folds_us  (--compare-folds "o;down;") the TP=2 step with each listed fold set (comma-separated FOLDS
+             names; empty: none), keyed by the set
 * kv_chunks_per_head  a rank's attention chunks (--attn-chunks match: TP=1's, the default; local: the old split)
 * profile    (--profile, last, after every timed figure, in builds of their own) per rank, the profiled TP step per
              call kind summed over layers (wall, slowCTA, sumCTA, wait; bytes and their floor), and rank 0's
@@ -426,7 +429,9 @@ def main(argv=None):
     ap.add_argument("--attn-chunks", default="match", choices=ATTN_CHUNKS,
                     help="a rank's KV chunks per kv head: match TP=1's (default) or nw // its kv heads (the old split)")
     ap.add_argument("--compare-unfolded", action="store_true",
-                    help="also time the TP=2 step with o_proj's all-reduce as a tp_sum_f32 call (tp2_unfolded_us)")
+                    help="also time the TP=2 step with the all-reduces as tp_sum_f32 calls (tp2_unfolded_us)")
+    ap.add_argument("--compare-folds", default=None,
+                    help='also time these fold sets, ";"-separated, each a comma list of "o", "down" (tp2_folds_us)')
     ap.add_argument("--profile", action="store_true",
                     help="after the timed figures: profiled TP and TP=1 builds, per call kind (JSON 'profile')")
     ap.add_argument("--profile-steps", type=int, default=8)
@@ -471,18 +476,27 @@ def main(argv=None):
     res["tp2_us_per_rank"] = [round(float(b), 1) for b in both]
     res["tp2_us"] = round(max(float(b) for b in both), 1)
     log(f"TP=2 {res['tp2_us']} us/step (per rank {res['tp2_us_per_rank']}), floor {res['floor_us_per_gpu']}")
-    res["fold_sums"] = tp.fold_sums
-    if args.compare_unfolded:
+    res["fold_sums"] = list(tp.fold_sums)
+
+    def time_folds(folds) -> float:
         tp.sync()
-        plain = LlamaTPRank(cfg, Ws, kvs, peers=SymmetricPeers(device=dev), device=dev, attn_chunks=args.attn_chunks,
-                            fold_sums=False)
+        other = LlamaTPRank(cfg, Ws, kvs, peers=SymmetricPeers(device=dev), device=dev, attn_chunks=args.attn_chunks,
+                            fold_sums=folds)
         dist.barrier()
-        t = torch.tensor([med(time_tp(plain, timer, args.steps))], device=dev)
+        t = torch.tensor([med(time_tp(other, timer, args.steps))], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        res["tp2_unfolded_us"] = round(float(t), 1)
-        plain.sync()
-        del plain
-        log(f"TP=2 with o_proj's sum as a call of its own: {res['tp2_unfolded_us']} us/step")
+        other.sync()
+        del other
+        return round(float(t), 1)
+    if args.compare_unfolded:
+        res["tp2_unfolded_us"] = time_folds(False)
+        log(f"TP=2 with the all-reduces as calls of their own: {res['tp2_unfolded_us']} us/step")
+    if args.compare_folds is not None:
+        res["tp2_folds_us"] = {}
+        for spec in args.compare_folds.split(";"):
+            folds = tuple(f.strip() for f in spec.split(",") if f.strip())
+            res["tp2_folds_us"][",".join(folds)] = time_folds(folds)
+            log(f"TP=2 folding {folds or 'nothing'}: {res['tp2_folds_us'][','.join(folds)]} us/step")
     try:
         res.update(greedy_relerr(one, tp, cfg, world, rank, args.greedy, dev, args.error_budget))
         if rank == 0:

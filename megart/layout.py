@@ -8,7 +8,7 @@ from __future__ import annotations
 # --- task descriptor: a fixed-size record per task instance --------------------------------------
 MAX_WAITS = 4          # events one instance may wait on
 MAX_SIGNALS = 4        # events one instance may signal
-PARAM_WORDS = 20       # 8-byte parameter slots per instance (qkv_rope_append_fp8 needs 17)
+PARAM_WORDS = 24       # 8-byte parameter slots per instance (qkv_rope_append_fp8 needs 24)
 
 # int32 header fields, in order; wait_event[i]/wait_count[i]/signal_event[i] are arrays.
 HEADER_FIELDS = (

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from ..geometry.attention import attention_chunks, auto_tiles, chunk_range
 from ..registry import Cost, TaskType, header_constants, ptr, register, scalar
 from ..tensors import as_ref
-from .dense_common import HEADERS as DENSE_HEADERS, SCRATCH_BYTES as DENSE_SCRATCH
+from .dense_common import HEADERS as DENSE_HEADERS, SCRATCH_BYTES as DENSE_SCRATCH, fold_pieces, fold_ref, nbytes, opt_ref
 from .shapes import check_shape
 from .tiling import even_tiles, require
 
@@ -40,6 +40,7 @@ LOW_REG_THREADS = 512     # threads x CTAs per SM from which the bodies budget <
 MODE_ROPE, MODE_NORM, MODE_CACHE, MODE_HEAD_NORM = 1, 2, 4, 8
 MODE_TAGGED_X = 16    # qkv_rope_append's x is a tagged tensor (megart/tagged.py): polled as it is staged
 MODE_TAGGED_OUT = 32  # its outputs are tagged words: q, and the new k/v rows in [n_kv, hd] buffers (not the cache)
+MODE_PARTS = 64      # a tensor-parallel all-reduce folded into the x staging (parts, tp, x_out: fold_pieces)
 # qkv_rope_append runs on the dense matvec engine: its block scratch, x staged whole (bf16), then the
 # instance's 2 * npairs fp32 dots
 SMEM_QKV = DENSE_SCRATCH + 2 * QKV_MAX_D + 4 * QKV_MAX_ROWS
@@ -50,7 +51,7 @@ QKV_HEADERS = ATTENTION_HEADERS + DENSE_HEADERS + ("tasks/qkv_common.cuh",)
 # declared here, emitted into the kernel as megart_attn::k* before tasks/attention_common.cuh
 header_constants(ATTENTION_HEADERS[0], "megart_attn", {
     "kModeRope": MODE_ROPE, "kModeNorm": MODE_NORM, "kModeCache": MODE_CACHE, "kModeHeadNorm": MODE_HEAD_NORM,
-    "kModeTaggedX": MODE_TAGGED_X, "kModeTaggedOut": MODE_TAGGED_OUT,
+    "kModeTaggedX": MODE_TAGGED_X, "kModeTaggedOut": MODE_TAGGED_OUT, "kModeParts": MODE_PARTS,
     "kQkvMaxD": QKV_MAX_D, "kQkvMaxRows": QKV_MAX_ROWS, "kAttnStageWarps": ATTN_STAGE_WARPS,
     "kLowRegThreads": LOW_REG_THREADS})
 ATTN_RING = 64 * 1024                       # attention_decode's K/V ring (MEGART_ATTN_RING_BYTES), any thread count
@@ -126,7 +127,7 @@ def _new_rows(T, qr, k_new, v_new, n_kv, hd):
 
 def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q, n_kv, hd, norm_weight=None,
                eps=1e-5, max_seq=None, kv_refs="strict", q_norm=None, k_norm=None, scale=None, k_new=None, v_new=None,
-               T="qkv_rope_append"):
+               parts=None, tp=0, x_out=None, T="qkv_rope_append"):
     fp8 = T == "qkv_rope_append_fp8"     # e4m3 rows, one f32 scale per row (`scale`, [rows])
     qr, kr, vr, wr = as_ref(q, "q"), as_ref(k_cache, "k_cache"), as_ref(v_cache, "v_cache"), as_ref(w_qkv, "w_qkv")
     xr, cr, sr, pr = as_ref(x, "x"), as_ref(cos, "cos"), as_ref(sin, "sin"), as_ref(pos, "pos")
@@ -184,10 +185,10 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
     out = []
     for (kind, h), nsub in zip(heads, subs):
         row0 = {"q": h, "k": n_q + h, "v": n_q + n_kv + h}[kind] * hd
-        parts = even_tiles(half, nsub)
+        pieces = even_tiles(half, nsub)
         cache = kr if kind == "k" else vr
         base = cache.offset + h * ms * hd
-        for s, (a, b) in enumerate(parts):
+        for s, (a, b) in enumerate(pieces):
             w_ref = wr.tensor.ref(wr.offset + (row0 + a) * d, (half + b - a) * d)
             tagged_out = dict(tdst=None, tdst2=None)
             if new is not None:   # q or the head's new k/v row, as tagged words: exact refs, no cache row
@@ -201,7 +202,7 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
                 dst2 = qr.tensor.ref(qr.offset + h * hd + half + a, b - a)
                 mode = MODE_ROPE
             else:
-                end = parts[s + 1][0] if s + 1 < len(parts) else ms * hd
+                end = pieces[s + 1][0] if s + 1 < len(pieces) else ms * hd
                 dst = cache.tensor.ref(base + a, end - a)   # whole head when nsub == 1
                 dst2 = dst
                 mode = MODE_CACHE | (MODE_ROPE if kind == "k" else 0)
@@ -216,6 +217,12 @@ def _qkv_split(nw, tiles=1, *, q, k_cache, v_cache, w_qkv, x, cos, sin, pos, n_q
                             **tagged_out))
             if fp8:    # (the scales of the same rows as w: the instance's first row on)
                 out[-1]["scale"] = scr.tensor.ref(scr.offset + row0 + a, half + b - a)
+    # (parts may not overlap what the call writes: q, the caches, the tagged rows)
+    outs = [(qr, "q"), (kr, "k_cache"), (vr, "v_cache")] + [(r, f"{k}_new") for k, r in (new or {}).items()]
+    for params, fold in zip(out, fold_pieces(T, xr, outs, parts, tp, x_out, len(out))):
+        params.update(fold)
+        if parts is not None:
+            params["mode"] |= MODE_PARTS
     return out
 
 
@@ -223,11 +230,11 @@ def _qkv_ref(p) -> None:
     """One instance, mirroring the device: fp32 dots of bf16 W with the (optionally RMS-normalised and
     bf16-rounded) x, RoPE in fp32 on the fp32 dots, one rounding to bf16 at the store."""
     import torch
+    x = fold_ref(p, p.x).float()    # (the folded sum's piece is stored whatever pos is, as on the device)
     pos = int(p.pos[0])
     if not 0 <= pos < p.max_seq:
         return
     d, n, half, a = p.d, p.npairs, p.half, p.pair0
-    x = p.x.float()
     if p.mode & MODE_NORM:
         inv = torch.rsqrt((x * x).sum() / d + torch.tensor(p.eps, dtype=torch.float32))
         x = ((x * inv) * p.norm_weight.float()).to(torch.bfloat16).float()
@@ -257,13 +264,14 @@ def _qkv_ref(p) -> None:
         p.dst2.copy_(hi.to(torch.bfloat16))
 
 
-def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, q_norm=None, scale=None, **_):
+def _qkv_cost(*, q, k_cache, w_qkv, x, n_q, n_kv, hd, norm_weight=None, q_norm=None, scale=None, parts=None,
+              x_out=None, **_):
     wr, d = as_ref(w_qkv, "w_qkv"), as_ref(x, "x").count
     head_norms = 2 * hd * 2 if q_norm is not None else 0          # q_norm and k_norm gains (Qwen3), bf16 [hd] each
     w_bytes = wr.count * wr.tensor.itemsize + (as_ref(scale, "scale").count * 4 if scale is not None else 0)
-    nbytes = w_bytes + d * 2 + (d * 2 if norm_weight is not None else 0) + head_norms \
-        + n_q * hd * 2 + 2 * n_kv * hd * 2
-    return Cost(bytes=nbytes, flops=2 * wr.count)
+    total = w_bytes + d * 2 + (d * 2 if norm_weight is not None else 0) + head_norms \
+        + n_q * hd * 2 + 2 * n_kv * hd * 2 + nbytes(opt_ref(parts, "parts")) + nbytes(opt_ref(x_out, "x_out"))
+    return Cost(bytes=total, flops=2 * wr.count)
 
 
 
@@ -275,7 +283,9 @@ register(TaskType(
             ptr("head_norm", "bf16", "weight"),
             scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
             scalar("eps", "f32"), ptr("tdst", "bf16", "out", optional=True, tagged=True),
-            ptr("tdst2", "bf16", "out", optional=True, tagged=True)),
+            ptr("tdst2", "bf16", "out", optional=True, tagged=True),
+            ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True), scalar("tp"),
+            scalar("x_lo"), scalar("x_hi")),
     source="tasks/qkv_rope_append.cuh", headers=QKV_HEADERS, reference=_qkv_ref,
     split=_qkv_split, cost=_qkv_cost, smem_bytes=SMEM_QKV, prefetch=True, stream=True,
     doc="q, k, v = (rmsnorm(x)) @ w_qkv.T; optional per-head RMSNorm of q, k (q_norm / k_norm, Qwen3); "
@@ -292,7 +302,9 @@ register(TaskType(
             ptr("head_norm", "bf16", "weight", optional=True),
             scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
             scalar("eps", "f32"), ptr("scale", "f32", "weight"), ptr("tdst", "bf16", "out", optional=True, tagged=True),
-            ptr("tdst2", "bf16", "out", optional=True, tagged=True)),
+            ptr("tdst2", "bf16", "out", optional=True, tagged=True),
+            ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True), scalar("tp"),
+            scalar("x_lo"), scalar("x_hi")),
     source="tasks/qkv_rope_append_fp8.cuh", headers=QKV_HEADERS, reference=_qkv_ref,
     split=lambda nw, tiles=1, **kw: _qkv_split(nw, tiles, T="qkv_rope_append_fp8", **kw), cost=_qkv_cost,
     smem_bytes=SMEM_QKV, prefetch=True, stream=True,

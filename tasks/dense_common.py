@@ -7,7 +7,7 @@ import torch
 
 from ..registry import header_constants
 from ..tensors import DTYPES, TensorRef, as_ref
-from .tiling import require
+from .tiling import even_tiles, require
 
 HEADERS = ("tasks/dense_common.cuh",)   # helpers every dense body uses, emitted once per kernel
 
@@ -165,6 +165,47 @@ def sum_parts(x: torch.Tensor, parts: torch.Tensor, tp: int, stride: int | None 
     for r in range(tp):
         acc += parts[r * stride:r * stride + n].float()
     return acc.to(torch.bfloat16)
+
+
+def fold_pieces(task: str, x: TensorRef, outs: list, parts, tp, x_out, n_inst: int) -> list:
+    """A tensor-parallel all-reduce folded into a body's x staging (gate_up_silu, qkv_rope_append): parts (tp
+    f32 slots of len(x)) are added to x, and instance j stores its 8-aligned piece of the sum to x_out. Neither
+    may overlap x, and parts may not overlap an output of the call (`outs`: [(ref, name)]). Returns the
+    per-instance params (parts, x_out, tp, x_lo, x_hi); parts None: no fold."""
+    if parts is None and x_out is None:
+        return [dict(parts=None, x_out=None, tp=0, x_lo=0, x_hi=0)] * n_inst
+    require(parts is not None and x_out is not None, task, "parts and x_out come together (a folded all-reduce: "
+            "x + the ranks' partials is staged, and x_out receives that sum)")
+    pr, xo, k = ref(task, parts, "parts"), ref(task, x_out, "x_out"), x.count
+    require(isinstance(tp, int) and tp >= 1 and pr.count == tp * k, task,
+            f"parts has {pr.count} elements; tp={tp!r} slots of x[{k}] need {tp * k if isinstance(tp, int) else '?'}")
+    require(xo.count == k, task, f"x_out has {xo.count} elements, x has {k}")
+    aligned(task, pr, "parts")
+    aligned(task, xo, "x_out")
+    for r, nm in ((pr, "parts"), (xo, "x_out")):
+        disjoint(task, r, nm, x, "x")
+    disjoint(task, xo, "x_out", pr, "parts")
+    for o, nm in outs:
+        if o is None:
+            continue
+        disjoint(task, o, nm, pr, "parts")
+        require(not overlaps(o, xo), task, f"{nm} and x_out overlap: the instances write both, {nm} by rows and "
+                "x_out by 8-element pieces")
+    pieces = even_tiles(k, n_inst, align=8)
+    pieces += [(0, 0)] * (n_inst - len(pieces))      # (more instances than 8-element pieces: some store none)
+    return [dict(parts=pr, x_out=sub(xo, lo, hi - lo) if hi > lo else None, tp=tp, x_lo=lo, x_hi=hi)
+            for lo, hi in pieces]
+
+
+def fold_ref(p, x: torch.Tensor) -> torch.Tensor:
+    """The reference of a folded all-reduce (fold_pieces' params on instance p): the staged x, with this
+    instance's piece of it stored to x_out."""
+    if p.parts is None:
+        return x
+    x = sum_parts(x, p.parts, p.tp)
+    if p.x_out is not None:
+        p.x_out.copy_(x[p.x_lo:p.x_hi])
+    return x
 
 
 def stage_x(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:

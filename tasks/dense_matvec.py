@@ -13,7 +13,7 @@ from ..geometry.dense import EXPERT_ROWS  # group_gemm_m1: each expert's tile of
 from ..registry import Cost, TaskType, ptr, register, scalar
 from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_PARTS, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS,
                            STAGE_SMEM, aligned, check_k, tagged_flags, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub,
-                           sum_parts, wrappers)
+                           wrappers, fold_pieces, fold_ref)
 from .shapes import check_shape
 from .tiling import even_tiles, require
 
@@ -176,32 +176,6 @@ register(TaskType(
 
 
 # ---- gate_up_silu / gate_up_silu_fp8 -------------------------------------------------------------
-def _fold(task: str, x, h, parts, tp, x_out, n_inst: int) -> tuple:
-    """A tensor-parallel all-reduce folded into the x staging: parts (tp f32 slots of len(x)) are added to
-    x, and instance j stores its 8-aligned piece of the sum to x_out (neither may overlap x or the output h).
-    Returns (flag, per-instance params)."""
-    if parts is None and x_out is None:
-        return 0, [dict(parts=None, x_out=None, tp=0, x_lo=0, x_hi=0)] * n_inst
-    require(parts is not None and x_out is not None, task, "parts and x_out come together (a folded all-reduce: "
-            "x + the ranks' partials is staged, and x_out receives that sum)")
-    pr, xo, k = ref(task, parts, "parts"), ref(task, x_out, "x_out"), x.count
-    require(isinstance(tp, int) and tp >= 1 and pr.count == tp * k, task,
-            f"parts has {pr.count} elements; tp={tp!r} slots of x[{k}] need {tp * k if isinstance(tp, int) else '?'}")
-    require(xo.count == k, task, f"x_out has {xo.count} elements, x has {k}")
-    aligned(task, pr, "parts")
-    aligned(task, xo, "x_out")
-    for r, nm in ((pr, "parts"), (xo, "x_out")):
-        disjoint(task, r, nm, x, "x")
-    disjoint(task, xo, "x_out", pr, "parts")
-    disjoint(task, h, "h", pr, "parts")
-    require(not overlaps(h, xo), task, "h and x_out overlap: the instances write both, h by rows and x_out by "
-            "8-element pieces")
-    pieces = even_tiles(k, n_inst, align=8)
-    pieces += [(0, 0)] * (n_inst - len(pieces))      # (more instances than 8-element pieces: some store none)
-    return FLAG_PARTS, [dict(parts=pr, x_out=sub(xo, lo, hi - lo) if hi > lo else None, tp=tp, x_lo=lo, x_hi=hi)
-                        for lo, hi in pieces]
-
-
 def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_weight=None, eps=1e-5,
                    s_gate=None, s_up=None, task="gate_up_silu", parts=None, tp=0, x_out=None):
     fp8 = task == "gate_up_silu_fp8"     # e4m3 rows with per-row f32 scales s_gate / s_up
@@ -217,7 +191,8 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
         require(r.count == f, task, f"{nm} has {r.count} elements, h has {f} (one scale per row)")
     disjoint(task, h, "h", x, "x")
     rows = even_tiles(f, tiles)
-    fold, folds = _fold(task, x, h, parts, tp, x_out, len(rows))
+    folds = fold_pieces(task, x, [(h, "h")], parts, tp, x_out, len(rows))
+    fold = FLAG_PARTS if parts is not None else 0
     flags = (FLAG_NORM if g is not None else 0) | fold | tagged_flags(x=x, out=h)
     return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
                  x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps), **fd,
@@ -226,11 +201,7 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
 
 
 def _gate_up_ref(p) -> None:
-    x = p.x
-    if p.flags & FLAG_PARTS:
-        x = sum_parts(p.x, p.parts, p.tp)
-        if p.x_out is not None:
-            p.x_out.copy_(x[p.x_lo:p.x_hi])
+    x = fold_ref(p, p.x) if p.flags & FLAG_PARTS else p.x
     xs = stage_x(x, _norm(p), p.eps)
     gate = p.w_gate.view(p.n, p.k).float() @ xs
     up = p.w_up.view(p.n, p.k).float() @ xs

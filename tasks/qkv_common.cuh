@@ -58,7 +58,9 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
   uint4* xs = dn::xs_of(smem);
   float* scratch = dn::scratch_of(smem);
   float* dots = reinterpret_cast<float*>(smem + dn::kScratchBytes + 2 * at::kQkvMaxD);  // [np] lo, then [np] hi
-  dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch, dn::PartsSum{},
+  dn::PartsSum sum;  // a folded all-reduce: x + the ranks' partials is staged, this instance's piece stored
+  if (p.mode & at::kModeParts) sum = dn::PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
+  dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch, sum,
               (p.mode & at::kModeTaggedX) != 0);
   // (an out-of-range position still reads its weights: a streamed type consumes every stage it declared)
   dn::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, [&](int g, float lo, float hi) {

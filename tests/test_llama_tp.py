@@ -12,7 +12,7 @@ import torch
 from megart.errors import GraphError
 from megart.models import llama
 from megart.models.llama_config import clone_kv
-from megart.models.llama_tp import LlamaTPGroup, LlamaTPRank, empty_shard, shard_config
+from megart.models.llama_tp import LlamaTPGroup, LlamaTPRank, empty_shard, fold_set, shard_config
 from megart.models.reference import Reference
 from megart.peer_memory import HostPeers
 
@@ -56,20 +56,27 @@ def test_tp_matches_single_gpu_model_and_reference(shape, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_folded_sums_match_the_sum_calls_bit_for_bit(world):
-    """o_proj's all-reduce summed in gate_up's x staging (the default) instead of a tp_sum_f32 call: one call
-    fewer per layer, and the same logits to the bit (the same f32 additions in rank order, one rounding)."""
+    """o_proj's all-reduce summed in gate_up's x staging and down's in the next layer's qkv (the default)
+    instead of tp_sum_f32 calls: two calls fewer per layer (the last layer's down sum stays a call, before the
+    LM head), and the same logits to the bit (the same f32 additions in rank order, one rounding)."""
     cfg = llama.tiny() if world == 2 else llama.tiny().with_(name="tiny4", n_q=8, n_kv=4)
     W, kv = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
     runs = {}
-    for fold in (True, False):
+    for fold in (True, ("o",), ("down",), False):
         group = LlamaTPGroup(cfg, world, W, clone_kv(kv), nw=NW, fold_sums=fold)
-        assert any(k.endswith("o.sum") for k in group.ranks[0].groups) != fold
+        sums = [k for k in group.ranks[0].groups if k.endswith(".sum")]
+        folds = fold_set(fold)
+        assert sum(k.endswith("o.sum") for k in sums) == (0 if "o" in folds else cfg.layers)
+        assert sum(k.endswith("down.sum") for k in sums) == (1 if "down" in folds else cfg.layers)
         tok, runs[fold] = 7, []
         for _ in range(2):
             logits, token = group.step(tok)
             runs[fold].append(logits.clone())
             tok = int(token)
-    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+    for fold in (("o",), ("down",), False):
+        assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[fold])), fold
+    with pytest.raises(GraphError, match="fold_sums"):
+        fold_set(("qkv",))
 
 
 def test_tp_rejects_shapes_it_cannot_split():

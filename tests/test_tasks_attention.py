@@ -593,3 +593,62 @@ def test_qkv_fp8_needs_a_scale_per_row():
         pk.task("qkv_rope_append_fp8", scale=T(torch.ones(3), "scale"), **kw)
     with pytest.raises(megart.GraphError, match="scale .* is required"):
         pk.task("qkv_rope_append_fp8", **kw)
+
+
+@pytest.mark.parametrize("pos", [777, 2048], ids=["in-range", "pos-out-of-range"])
+def test_qkv_folded_all_reduce(pos):
+    """Down's tensor-parallel all-reduce folded into qkv_rope_append's staging: the body stages bf16(x +
+    parts[0] + parts[1]) (rank order, one rounding), normalises and projects it, and the instances store the
+    sum to x_out between them, also when pos is out of range (then nothing else is written). Bit for bit
+    what qkv fed the finished sum gives, in the host-run CUDA body and in the emulator."""
+    from megart.emulate import hostsim
+    from megart.tasks.dense_common import sum_parts
+    sh, ms, tp = SHAPES[128], 2048, 2
+    n_q, n_kv, hd, d = sh["n_q"], sh["n_kv"], sh["hd"], sh["d"]
+    w, x, nwt = qkv_m1(n_q, n_kv, hd, d, seed=5)
+    cs, sn = rope_tables(ms, hd, THETA)
+    _, k, v = attention_m1(n_q, n_kv, hd, 0, ms, seed=6)
+    parts = torch.randn(tp * d, generator=torch.Generator().manual_seed(7)) * 0.5
+    total = sum_parts(x, parts, tp)
+    runs = {}
+    for how in ("folded", "summed"):
+        pk = megart.PersistentKernel(nw=NW, device="cpu")
+        T = lambda a, name: pk.tensor(a.clone(), name)  # noqa: E731
+        fold = dict(parts=T(parts, "parts"), tp=tp, x_out=T(torch.zeros(d, dtype=torch.bfloat16), "x_out")) \
+            if how == "folded" else {}
+        pk.task("qkv_rope_append", q=T(torch.zeros(n_q * hd, dtype=torch.bfloat16), "q"), k_cache=T(k, "k"),
+                v_cache=T(v, "v"), w_qkv=T(w, "w"), x=T(x if fold else total, "x"), norm_weight=T(nwt, "norm_w"),
+                eps=1e-5, cos=T(cs, "cos"), sin=T(sn, "sin"), pos=T(torch.tensor([pos], dtype=torch.int32), "pos"),
+                n_q=n_q, n_kv=n_kv, hd=hd, tiles=NW, **fold)
+        compiled(pk)
+        runs[how] = {k_: v_.clone() for k_, v_ in pk.emulate().items()}, hostsim.run(pk, seed=3)
+    (emu, dev), (emu_sum, dev_sum) = runs["folded"], runs["summed"]
+    assert torch.equal(emu["x_out"], total) and torch.equal(dev["x_out"], total)
+    for name in ("q", "k", "v"):
+        assert torch.equal(dev[name], dev_sum[name]) and torch.equal(emu[name], emu_sum[name]), name
+    if pos < ms:
+        check(dev["q"], ref_qkv_rope_append(total, w, cs, sn, pos, n_q, n_kv, hd, nwt, 1e-5)[0], TOL_QKV, "q")
+    else:
+        assert not dev["q"].any() and torch.equal(dev["k"], k) and torch.equal(dev["v"], v)
+
+
+def test_qkv_fold_rejects():
+    pk = megart.PersistentKernel(nw=8, device="cpu")
+    sh, ms = SHAPES[64], 64
+    t, _ = build_qkv(pk, sh, ms, 3, tiles=8)
+    d = sh["d"]
+    parts = pk.tensor(torch.zeros(2 * d), "parts")
+    args = dict(q=t["q"], k_cache=t["k"], v_cache=t["v"], w_qkv=t["w"], x=t["x"], norm_weight=t["nw"], cos=t["cos"],
+                sin=t["sin"], pos=t["pos"], n_q=sh["n_q"], n_kv=sh["n_kv"], hd=sh["hd"], tiles=8)
+    before = len(pk.graph.instances)
+    with pytest.raises(GraphError, match="parts and x_out come together"):
+        pk.task("qkv_rope_append", **args, parts=parts, tp=2)
+    with pytest.raises(GraphError, match="x_out and x overlap"):
+        pk.task("qkv_rope_append", **args, parts=parts, tp=2, x_out=t["x"])
+    assert sh["n_q"] * sh["hd"] == d
+    with pytest.raises(GraphError, match="q and x_out overlap"):
+        pk.task("qkv_rope_append", **args, parts=parts, tp=2, x_out=t["q"])
+    with pytest.raises(GraphError, match="k_cache and parts"):
+        pk.task("qkv_rope_append", **args, parts=t["k"].ref(0, 2 * d), tp=2,
+                x_out=pk.tensor(torch.zeros(d, dtype=torch.bfloat16), "x_out"))
+    assert len(pk.graph.instances) == before

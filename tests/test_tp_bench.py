@@ -80,8 +80,9 @@ def test_profile_summary_per_call_kind(bench, world):
         assert kinds["gate_up"]["bytes"] > 2 * cfg.ffn // (1 if name == "tp1" else world) * cfg.d * 2
         assert kinds["gate_up"]["floor_us"] == round(kinds["gate_up"]["bytes"] / bw * 1e6, 2)
         if name != "tp1":
-            # o_proj's sum is folded into gate_up's staging; down's stays a call of its own
-            assert "o.sum" not in kinds and kinds["down.sum"]["calls"] == cfg.layers
+            # o_proj's sum is folded into gate_up's staging, down's into the next qkv's (the last layer's
+            # stays a call, before the LM head)
+            assert "o.sum" not in kinds and kinds["down.sum"]["calls"] == 1
             assert kinds["lm_put"]["calls"] == world - 1
             assert ("o.put" in kinds) == (world > 2)
             if world > 2:        # one kind for the copies to every peer

@@ -306,10 +306,12 @@ class LlamaModel:
             self._task(f"L{l}.kv_commit", "kv_commit", [g_att], **caches, pos=pos, n_kv=c.n_kv, hd=c.hd,
                        max_seq=c.max_seq)
 
-    def _attention(self, l, g_prev, g_pos, x, pos, cos, sin):
+    def _attention(self, l, g_prev, g_pos, x, pos, cos, sin, fold: dict | None = None):
         """Layer l's attention half up to its merged output: qkv (fused norm, RoPE, KV append) after g_prev
         and g_pos, attention chunks, their merge (in the attention call when fused, else a call of its own).
-        Returns (the merged output, the call that writes it)."""
+        Returns (the merged output, the call that writes it).
+        fold (tensor parallel): qkv's x staging also sums the previous layer's down all-reduce (parts, tp,
+        x_out, waits; docs/TP.md)."""
         c, L, T, tl, p = self.cfg, self.weights.layers[l], self._tensor, self.tiles, f"L{l}."
         kc, vc = self.kv[l]
         q = T(self.q[l], p + "q")
@@ -323,7 +325,8 @@ class LlamaModel:
         g_qkv = self._task(p + "qkv", "qkv_rope_append_fp8" if c.fp8_qkv else "qkv_rope_append", [g_prev, g_pos],
                            q=q, k_cache=kct, v_cache=vct, w_qkv=T(L["wqkv"], p + "wqkv"), x=x, **fp8, **new,
                            norm_weight=T(L["in_norm"], p + "in_norm"), eps=c.eps, cos=cos, sin=sin, pos=pos,
-                           n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, kv_refs=self.kv_refs, tiles=tl["qkv"], **qk_norm)
+                           n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, kv_refs=self.kv_refs, tiles=tl["qkv"], **qk_norm,
+                           **(fold or {}))
         po, pm = T(self.part_o[l], p + "part_o"), T(self.part_ml[l], p + "part_ml")
         a = T(self.attn[l], p + "attn")
         fused = dict(out=a, arrivals=T(self.arrivals[l], p + "arrivals")) if self.merge_fused else {}

@@ -95,6 +95,20 @@ def shard_kv(kv: list, cfg: LlamaConfig, rank: int, world: int) -> list:
     return [(k[rank * h:(rank + 1) * h].clone(), vv[rank * h:(rank + 1) * h].clone()) for k, vv in kv]
 
 
+FOLDS = ("o", "down")   # the all-reduces a rank can sum in its next weight-bound call's x staging
+
+
+def fold_set(fold_sums) -> tuple:
+    """LlamaTPRank(fold_sums=): True (both, the default), False (neither) or a collection of FOLDS. "o":
+    o_proj's all-reduce summed by gate_up; "down": down's summed by the next layer's qkv (the last layer's
+    stays a tp_sum_f32 call before the LM head)."""
+    if fold_sums is True or fold_sums is False:
+        return FOLDS if fold_sums else ()
+    if isinstance(fold_sums, str) or not all(isinstance(f, str) for f in fold_sums) or not set(fold_sums) <= set(FOLDS):
+        raise GraphError(f"fold_sums takes True, False or a collection of {FOLDS}, got {fold_sums!r}")
+    return tuple(f for f in FOLDS if f in fold_sums)
+
+
 class LlamaTPRank(LlamaModel):
     """Rank `peers.rank` of a tensor-parallel decoder. `weights` / `kv` are the FULL model's (sharded here;
     the shards are copies, so the caller may free the full ones); cfg is the full config. step() returns
@@ -108,14 +122,14 @@ class LlamaTPRank(LlamaModel):
     tagged_default = False
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, kv: list, *, peers, device=None,
-                 nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "match", fold_sums: bool = True,
+                 nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "match", fold_sums=True,
                  **kw):
         if kw.get("deps", "explicit") != "explicit" or kw.get("kv_refs", "partition") != "partition":
             raise GraphError("LlamaTPRank builds explicit dependencies only (deps='explicit')")
         if kw.get("tagged"):
             raise GraphError("LlamaTPRank does not take tagged=True: a rank's vectors are plain bf16 (docs/TP.md)")
         self.full_cfg, self.rank, self.world, self.peers = cfg, peers.rank, peers.world, peers
-        self.fold_sums = bool(fold_sums)
+        self.fold_sums = fold_set(fold_sums)
         lc = shard_config(cfg, self.world)
         rank_attention_chunks(cfg, self.world, 1, attn_chunks)          # (refuses an unknown mode early)
         self.attn_chunks = attn_chunks if "attn_chunks" not in (tiles or {}) else "tiles"
@@ -158,22 +172,33 @@ class LlamaTPRank(LlamaModel):
         token = T(self.token, "token")
         g_prev = self._task("embedding", "embedding", [], y=xs[0], table=T(W.embed, "embed"), token=token,
                             tiles=tl["embedding"])
+        down = None     # layer l-1's down partial when this layer's qkv sums it: (exchange buffer, call, event, xm)
         for l in range(c.layers):
             L = W.layers[l]
             p = f"L{l}."
-            a, g_mrg = self._attention(l, g_prev, g_pos, xs[l], pos, cos, sin)
+            if down is None:
+                a, g_mrg = self._attention(l, g_prev, g_pos, xs[l], pos, cos, sin)
+            else:   # qkv stages xm + the ranks' down partials and stores that sum, x_{l}, piece by piece
+                red, g_dn, ev, xm_prev = down
+                a, g_mrg = self._attention(l, g_dn, g_pos, xm_prev, pos, cos, sin,
+                                           fold=dict(parts=red, tp=self.world, x_out=xs[l], waits=[ev]))
             xm = T(self.xm[l], p + "xm")
             h = T(self.h[l], p + "h")
             gate_up = dict(h=h, w_gate=T(L["wg"], p + "wg"), w_up=T(L["wu"], p + "wu"),
                            norm_weight=T(L["post_norm"], p + "post_norm"), eps=eps, tiles=tl["gate_up"])
-            if self.fold_sums:   # o_proj's all-reduce summed in gate_up's x staging: one call and one wait fewer
+            if "o" in self.fold_sums:   # o_proj's all-reduce summed in gate_up's x staging: one call fewer
                 red, g_mv, ev = self._partials(p + "o", T(L["wo"], p + "wo"), a, [g_mrg], tl["o"])
                 g_gu = self._task(p + "gate_up", "gate_up_silu", [g_mv], waits=[ev], x=xs[l], parts=red,
                                   tp=self.world, x_out=xm, **gate_up)
             else:
                 g_o = self._all_reduce(p + "o", T(L["wo"], p + "wo"), a, xs[l], xm, [g_mrg], tl["o"])
                 g_gu = self._task(p + "gate_up", "gate_up_silu", [g_o], x=xm, **gate_up)
-            g_prev = self._all_reduce(p + "down", T(L["wd"], p + "wd"), h, xm, xs[l + 1], [g_gu], tl["down"])
+            if "down" in self.fold_sums and l + 1 < c.layers:
+                red, g_dn, ev = self._partials(p + "down", T(L["wd"], p + "wd"), h, [g_gu], tl["down"])
+                down = (red, g_dn, ev, xm)
+            else:
+                g_prev = self._all_reduce(p + "down", T(L["wd"], p + "wd"), h, xm, xs[l + 1], [g_gu], tl["down"])
+                down = None
         # vocab-parallel head: this rank's rows, its partials to every peer, the argmax over all of them
         n, words = self.n_parts, 2 * self.n_parts
         lm = self.peers.local("lm")
