@@ -595,13 +595,9 @@ def test_qkv_fp8_needs_a_scale_per_row():
         pk.task("qkv_rope_append_fp8", **kw)
 
 
-@pytest.mark.parametrize("pos", [777, 2048], ids=["in-range", "pos-out-of-range"])
-def test_qkv_folded_all_reduce(pos):
-    """Down's tensor-parallel all-reduce folded into qkv_rope_append's staging: the body stages bf16(x +
-    parts[0] + parts[1]) (rank order, one rounding), normalises and projects it, and the instances store the
-    sum to x_out between them, also when pos is out of range (then nothing else is written). Bit for bit
-    what qkv fed the finished sum gives, in the host-run CUDA body and in the emulator."""
-    from megart.emulate import hostsim
+def build_qkv_fold(pk, how, pos, dev="cpu"):
+    """qkv_rope_append at hd 128 on the full grid whose x is down's all-reduce at TP=2: folded (x, the two
+    ranks' f32 slots, x_out) or fed the finished sum. Returns (the tensors, the sum, the inputs)."""
     from megart.tasks.dense_common import sum_parts
     sh, ms, tp = SHAPES[128], 2048, 2
     n_q, n_kv, hd, d = sh["n_q"], sh["n_kv"], sh["hd"], sh["d"]
@@ -610,26 +606,43 @@ def test_qkv_folded_all_reduce(pos):
     _, k, v = attention_m1(n_q, n_kv, hd, 0, ms, seed=6)
     parts = torch.randn(tp * d, generator=torch.Generator().manual_seed(7)) * 0.5
     total = sum_parts(x, parts, tp)
+    T = lambda a, name: pk.tensor(a.clone().to(dev), name)  # noqa: E731
+    t = dict(q=T(torch.zeros(n_q * hd, dtype=torch.bfloat16), "q"), k=T(k, "k"), v=T(v, "v"))
+    fold = {}
+    if how == "folded":
+        t["x_out"] = T(torch.zeros(d, dtype=torch.bfloat16), "x_out")
+        fold = dict(parts=T(parts, "parts"), tp=tp, x_out=t["x_out"])
+    pk.task("qkv_rope_append", q=t["q"], k_cache=t["k"], v_cache=t["v"], w_qkv=T(w, "w"),
+            x=T(x if fold else total, "x"), norm_weight=T(nwt, "norm_w"), eps=1e-5, cos=T(cs, "cos"),
+            sin=T(sn, "sin"), pos=T(torch.tensor([pos], dtype=torch.int32), "pos"), n_q=n_q, n_kv=n_kv, hd=hd,
+            tiles=pk.nw, **fold)
+    return t, total, dict(w=w, nw=nwt, cos=cs, sin=sn, k=k, v=v, sh=sh, ms=ms)
+
+
+@pytest.mark.parametrize("pos", [777, 2048], ids=["in-range", "pos-out-of-range"])
+def test_qkv_folded_all_reduce(pos):
+    """Down's tensor-parallel all-reduce folded into qkv_rope_append's staging: the body stages bf16(x +
+    parts[0] + parts[1]) (rank order, one rounding), normalises and projects it, and the instances store the
+    sum to x_out between them, also when pos is out of range (then nothing else is written). Bit for bit
+    what qkv fed the finished sum gives, in the host-run CUDA body and in the emulator."""
+    from megart.emulate import hostsim
     runs = {}
     for how in ("folded", "summed"):
         pk = megart.PersistentKernel(nw=NW, device="cpu")
-        T = lambda a, name: pk.tensor(a.clone(), name)  # noqa: E731
-        fold = dict(parts=T(parts, "parts"), tp=tp, x_out=T(torch.zeros(d, dtype=torch.bfloat16), "x_out")) \
-            if how == "folded" else {}
-        pk.task("qkv_rope_append", q=T(torch.zeros(n_q * hd, dtype=torch.bfloat16), "q"), k_cache=T(k, "k"),
-                v_cache=T(v, "v"), w_qkv=T(w, "w"), x=T(x if fold else total, "x"), norm_weight=T(nwt, "norm_w"),
-                eps=1e-5, cos=T(cs, "cos"), sin=T(sn, "sin"), pos=T(torch.tensor([pos], dtype=torch.int32), "pos"),
-                n_q=n_q, n_kv=n_kv, hd=hd, tiles=NW, **fold)
+        _, total, inp = build_qkv_fold(pk, how, pos)
         compiled(pk)
         runs[how] = {k_: v_.clone() for k_, v_ in pk.emulate().items()}, hostsim.run(pk, seed=3)
     (emu, dev), (emu_sum, dev_sum) = runs["folded"], runs["summed"]
     assert torch.equal(emu["x_out"], total) and torch.equal(dev["x_out"], total)
     for name in ("q", "k", "v"):
         assert torch.equal(dev[name], dev_sum[name]) and torch.equal(emu[name], emu_sum[name]), name
-    if pos < ms:
-        check(dev["q"], ref_qkv_rope_append(total, w, cs, sn, pos, n_q, n_kv, hd, nwt, 1e-5)[0], TOL_QKV, "q")
+    sh = inp["sh"]
+    if pos < inp["ms"]:
+        want = ref_qkv_rope_append(total, inp["w"], inp["cos"], inp["sin"], pos, sh["n_q"], sh["n_kv"], sh["hd"],
+                                   inp["nw"], 1e-5)[0]
+        check(dev["q"], want, TOL_QKV, "q")
     else:
-        assert not dev["q"].any() and torch.equal(dev["k"], k) and torch.equal(dev["v"], v)
+        assert not dev["q"].any() and torch.equal(dev["k"], inp["k"]) and torch.equal(dev["v"], inp["v"])
 
 
 def test_qkv_fold_rejects():

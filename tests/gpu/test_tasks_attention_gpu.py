@@ -52,6 +52,22 @@ def test_qkv_rope_append_gpu(cuda, hd, pos, norm, kv_refs):
     assert torch.equal(got["k"][:, keep], r["k0"][:, keep]) and torch.equal(got["v"][:, keep], r["v0"][:, keep])
 
 
+@pytest.mark.parametrize("pos", [777, 2048], ids=["in-range", "pos-out-of-range"])
+def test_qkv_folded_all_reduce_gpu(cuda, pos):
+    """qkv_rope_append with down's TP=2 all-reduce folded into its staging, on the GPU at the production grid:
+    x_out is the sum, and q and the caches are the bits of the same kernel fed the finished sum."""
+    runs = {}
+    for how in ("folded", "summed"):
+        pk = megart.PersistentKernel(nw=sms())
+        t, total, _ = cpu.build_qkv_fold(pk, how, pos, dev="cuda")
+        compiled(pk)
+        pk()
+        runs[how] = {n: x.data.cpu() for n, x in t.items()}
+    assert torch.equal(runs["folded"]["x_out"], total)
+    for n in ("q", "k", "v"):
+        assert torch.equal(runs["folded"][n], runs["summed"][n]), n
+
+
 @pytest.mark.parametrize("hd,pos", [(64, 5), (128, 777)])
 def test_qkv_fp8_gpu(cuda, hd, pos):
     """qkv_rope_append_fp8 on the GPU against the fp32 chain over the dequantised weights."""
