@@ -237,7 +237,8 @@ def budget_report(errs: dict) -> dict:
     spread; D: the smallest is the drop's least visible step)."""
     out = {}
     for k, v in errs.items():
-        out[k] = {"max": round(max(v), 5), "median": round(med(v), 5), "min": round(min(v), 5)} if v else None
+        out[k] = {"max": round(max(v), 5), "median": round(med(v), 5), "min": round(min(v), 5),
+                  "per_step": [round(e, 5) for e in v]} if v else None
     return out
 
 
