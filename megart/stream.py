@@ -19,7 +19,7 @@ from .layout import HANG_POLL
 from .registry import USER_ID_BASE
 
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
-STATIC_RESERVE = 2432          # static shared memory of the worker (descriptor slots, stream state: 2,304 B
+STATIC_RESERVE = 2432          # static shared memory of the worker (descriptor slots, stream state: 2,272 B
                                # at 24 parameter slots) and the padding to codegen.SMEM_ALIGN (< 128 B)
 ATTN_TAGGED_STATIC = 528       # and attention_decode's tagged form (MEGART_ATTN_TAGGED): its staged new row
 MAX_SLOTS = 8                  # past this the warps' stages already cover several us of HBM time
