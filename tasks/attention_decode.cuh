@@ -213,6 +213,65 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
 // piece, so a reader of out waits for all of them).
 // One copy for every head size and width, run after the body (a copy inside each instantiation spilled the
 // kernel that holds every built-in type; a called function did too).
+__device__ __forceinline__ void merge_store(const megart_params_attention_decode& p, int back, int t, float r) {
+  const __nv_bfloat16 v = __float2bfloat16_rn(r);
+  if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out) - back, t, v);
+  else (p.out - back)[t] = v;
+}
+
+// MEGART_ATTN_MERGE_STAGED=1 (off until measured): the merging instance stages every chunk's (m, l) in shared
+// memory, one thread per (head, chunk), after each thread has issued the o partials of all its outputs. A
+// thread with two outputs (hd 128, group 4 at 256 threads: the 8B shape) then waits one memory round trip
+// instead of two. Per output the arithmetic is merge_batched's, in its order: the same bits.
+#ifndef MEGART_ATTN_MERGE_STAGED
+#define MEGART_ATTN_MERGE_STAGED 0
+#endif
+constexpr int kMergeOuts = 2;  // outputs per thread the staged merge holds
+constexpr bool kMergeStaged = MEGART_ATTN_MERGE_STAGED != 0 && kMergeBatch > 0;
+
+__device__ __forceinline__ void merge_staged(const megart_params_attention_decode& p, char* smem, const float* ml,
+                                             const float* po, int G, int HD, int C, int n, int back) {
+  constexpr int B = kMergeBatch > 0 ? kMergeBatch : 1;
+  float* s_m = reinterpret_cast<float*>(smem) + 4;  // (after the arrival flag) [G][B], then s_l [G][B]
+  float* s_l = s_m + G * B;
+  float ov[kMergeOuts][B];
+  const unsigned stride = (unsigned)(G * HD);  // (32-bit offsets: n * C < 2^31)
+#pragma unroll
+  for (int k = 0; k < kMergeOuts; ++k) {  // first: these loads need nothing staged
+    const unsigned t = threadIdx.x + k * MEGART_THREADS;
+#pragma unroll
+    for (int c = 0; c < B; ++c) ov[k][c] = (t < (unsigned)n && c < C) ? ld_in_f32(po + t + c * stride) : 0.f;
+  }
+  for (int i = threadIdx.x; i < G * C; i += MEGART_THREADS) {
+    const int g = i / C, c = i - g * C;
+    s_m[g * B + c] = ld_in_f32(ml + (long long)c * G * 2 + g * 2);
+    s_l[g * B + c] = ld_in_f32(ml + (long long)c * G * 2 + g * 2 + 1);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kMergeOuts; ++k) {
+    const int t = threadIdx.x + k * MEGART_THREADS;
+    if (t >= n) continue;
+    const float* m = s_m + (t / HD) * B;
+    const float* l = s_l + (t / HD) * B;
+    float M = neg_inf(), L = 0.f, O = 0.f;
+#pragma unroll
+    for (int c = 0; c < B; ++c)
+      if (c < C) M = fmaxf(M, m[c]);
+    if (M != neg_inf()) {
+#pragma unroll
+      for (int c = 0; c < B; ++c) {
+        if (c < C) {
+          const float w = exp2f((m[c] - M) * kLog2e);
+          L = fmaf(w, l[c], L);
+          O = fmaf(w, ov[k][c], O);
+        }
+      }
+    }
+    merge_store(p, back, t, L > 0.f ? O / L : 0.f);
+  }
+}
+
 __device__ __forceinline__ void merge_if_last(const megart_params_attention_decode& p, char* smem) {
   int* s_last = reinterpret_cast<int*>(smem);  // (the partials' staging rounds are over)
   __syncthreads();                             // every thread's partial stores are issued
@@ -224,12 +283,14 @@ __device__ __forceinline__ void merge_if_last(const megart_params_attention_deco
   const float* ml = p.part_ml - p.cidx * G * 2;
   const float* po = p.part_o - p.cidx * n;
   const int back = p.cidx * n / C;  // (elements: 2-byte values, or 4-byte tagged words)
-  for (int t = threadIdx.x; t < n; t += MEGART_THREADS) {
-    const int g = t / HD;
-    const __nv_bfloat16 v = __float2bfloat16_rn(merge_point(ml + g * 2, po + t, C, G, HD));
-    if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out) - back, t, v);
-    else (p.out - back)[t] = v;
+  if constexpr (kMergeStaged) {
+    if (C <= kMergeBatch && n <= kMergeOuts * MEGART_THREADS) {
+      merge_staged(p, smem, ml, po, G, HD, C, n, back);
+      return;
+    }
   }
+  for (int t = threadIdx.x; t < n; t += MEGART_THREADS)
+    merge_store(p, back, t, merge_point(ml + (t / HD) * 2, po + t, C, G, HD));
 }
 
 template <int HD, int G>

@@ -376,12 +376,14 @@ def test_attention_bodies_run_on_the_host(hd, pos, defines):
     assert rel(dev["out"], emu["out"]) <= TOL_ATTN / 2 and rel(dev["part_o"], emu["part_o"]) <= TOL_ATTN / 2
 
 
-def test_fused_merge_gives_the_merge_calls_bits():
+@pytest.mark.parametrize("hd,defines", [(64, {}), (128, {"MEGART_ATTN_MERGE_STAGED": 1})], ids=["hd64", "hd128-staged"])
+def test_fused_merge_gives_the_merge_calls_bits(hd, defines):
     """attention_decode with out and arrivals (the last chunk of each kv head to arrive merges) writes the same
     bits as attention_decode + attention_merge, in the host-run CUDA bodies and in the emulator, and leaves
     every arrival counter at 0 for the next step. (The merge runs after either K/V path of the body, so the
-    ring path's shape stands for both; the register path's partials are checked above.)"""
-    hd, pos, defines = 64, 2046, {}
+    ring path's shape stands for both; the register path's partials are checked above.) hd 128, group 4 gives
+    each thread two outputs: MEGART_ATTN_MERGE_STAGED merges both after one round trip, with the same bits."""
+    pos = 2046
     from megart.emulate import hostsim
     runs = {}
     for merge in ("call", "fused"):
