@@ -205,29 +205,23 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
   }
 }
 
-// The fused form (out and arrivals given; the splitter keeps every q head of a kv head in one instance):
-// the last of the kv head's nchunks instances to arrive merges all their partials into out, with the
-// arithmetic of attention_merge, so o_proj waits on this call alone. The instance's pointers sit at its own
-// chunk: chunk 0's partials lie cidx * G slots back, and its claim on out starts cidx * G * HD / nchunks
-// elements into the head's G * HD outputs (tasks/attention.py, out_claim; each instance claims a disjoint
-// piece, so a reader of out waits for all of them).
-// One copy for every head size and width, run after the body (a copy inside each instantiation spilled the
-// kernel that holds every built-in type; a called function did too).
+// MEGART_ATTN_MERGE_STAGED=1 (off until measured): the merging instance stages every chunk's (m, l) in shared
+// memory, one thread per (head, chunk), after each thread has issued the o partials of all its outputs. A
+// thread with two outputs (hd 128, group 4 at 256 threads: the 8B shape) then waits one memory round trip
+// instead of two. Per output the arithmetic is merge_batched's, in its order: the same bits. Compiled only
+// when asked for, so the default kernel's code is the one measured without it.
+#ifndef MEGART_ATTN_MERGE_STAGED
+#define MEGART_ATTN_MERGE_STAGED 0
+#endif
+#if MEGART_ATTN_MERGE_STAGED
+constexpr int kMergeOuts = 2;  // outputs per thread the staged merge holds
+// (builds without the batched merge, kMergeBatch == 0, keep merge_point)
+
 __device__ __forceinline__ void merge_store(const megart_params_attention_decode& p, int back, int t, float r) {
   const __nv_bfloat16 v = __float2bfloat16_rn(r);
   if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out) - back, t, v);
   else (p.out - back)[t] = v;
 }
-
-// MEGART_ATTN_MERGE_STAGED=1 (off until measured): the merging instance stages every chunk's (m, l) in shared
-// memory, one thread per (head, chunk), after each thread has issued the o partials of all its outputs. A
-// thread with two outputs (hd 128, group 4 at 256 threads: the 8B shape) then waits one memory round trip
-// instead of two. Per output the arithmetic is merge_batched's, in its order: the same bits.
-#ifndef MEGART_ATTN_MERGE_STAGED
-#define MEGART_ATTN_MERGE_STAGED 0
-#endif
-constexpr int kMergeOuts = 2;  // outputs per thread the staged merge holds
-constexpr bool kMergeStaged = MEGART_ATTN_MERGE_STAGED != 0 && kMergeBatch > 0;
 
 __device__ __forceinline__ void merge_staged(const megart_params_attention_decode& p, char* smem, const float* ml,
                                              const float* po, int G, int HD, int C, int n, int back) {
@@ -271,7 +265,16 @@ __device__ __forceinline__ void merge_staged(const megart_params_attention_decod
     merge_store(p, back, t, L > 0.f ? O / L : 0.f);
   }
 }
+#endif  // MEGART_ATTN_MERGE_STAGED
 
+// The fused form (out and arrivals given; the splitter keeps every q head of a kv head in one instance):
+// the last of the kv head's nchunks instances to arrive merges all their partials into out, with the
+// arithmetic of attention_merge, so o_proj waits on this call alone. The instance's pointers sit at its own
+// chunk: chunk 0's partials lie cidx * G slots back, and its claim on out starts cidx * G * HD / nchunks
+// elements into the head's G * HD outputs (tasks/attention.py, out_claim; each instance claims a disjoint
+// piece, so a reader of out waits for all of them).
+// One copy for every head size and width, run after the body (a copy inside each instantiation spilled the
+// kernel that holds every built-in type; a called function did too).
 __device__ __forceinline__ void merge_if_last(const megart_params_attention_decode& p, char* smem) {
   int* s_last = reinterpret_cast<int*>(smem);  // (the partials' staging rounds are over)
   __syncthreads();                             // every thread's partial stores are issued
@@ -283,14 +286,18 @@ __device__ __forceinline__ void merge_if_last(const megart_params_attention_deco
   const float* ml = p.part_ml - p.cidx * G * 2;
   const float* po = p.part_o - p.cidx * n;
   const int back = p.cidx * n / C;  // (elements: 2-byte values, or 4-byte tagged words)
-  if constexpr (kMergeStaged) {
-    if (C <= kMergeBatch && n <= kMergeOuts * MEGART_THREADS) {
-      merge_staged(p, smem, ml, po, G, HD, C, n, back);
-      return;
-    }
+#if MEGART_ATTN_MERGE_STAGED
+  if (kMergeBatch > 0 && C <= kMergeBatch && n <= kMergeOuts * MEGART_THREADS) {
+    merge_staged(p, smem, ml, po, G, HD, C, n, back);
+    return;
   }
-  for (int t = threadIdx.x; t < n; t += MEGART_THREADS)
-    merge_store(p, back, t, merge_point(ml + (t / HD) * 2, po + t, C, G, HD));
+#endif
+  for (int t = threadIdx.x; t < n; t += MEGART_THREADS) {
+    const int g = t / HD;
+    const __nv_bfloat16 v = __float2bfloat16_rn(merge_point(ml + g * 2, po + t, C, G, HD));
+    if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out) - back, t, v);
+    else (p.out - back)[t] = v;
+  }
 }
 
 template <int HD, int G>
