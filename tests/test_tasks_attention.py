@@ -22,6 +22,7 @@ from megart.errors import GraphError
 from megart.geometry.attention import (attention_m1, attention_scratch, qkv_m1, ref_attention_decode,
                                        ref_qkv_rope_append, rope_tables)
 from megart.geometry.attention import attention_chunks, chunk_range
+from megart.tasks.attention import body_defines
 
 TOL_QKV = megart.registry.get("qkv_rope_append").tol            # TaskType.tol, measured as above
 TOL_ATTN = megart.registry.get("attention_decode").tol
@@ -348,9 +349,11 @@ def test_decode_chain(hd, pos):
 
 # --- the CUDA bodies themselves, on the host (megart.emulate.hostsim: TaskType.hostsim) ---------------------
 
-def _chain_on_the_host(hd, pos, overrides=None, merge="call", **pk_kw):
+def _chain_on_the_host(hd, pos, overrides=None, merge="call", defines=None, **pk_kw):
     sh, ms = SHAPES[hd], 2048
-    pk = megart.PersistentKernel(nw=NW, device="cpu", source_overrides=overrides or {}, **pk_kw)
+    # (only the attention body this shape runs is compiled, as the models do: the host compile is the slow part)
+    defines = {**body_defines(hd, sh["n_q"] // sh["n_kv"]), **(defines or {})}
+    pk = megart.PersistentKernel(nw=NW, device="cpu", source_overrides=overrides or {}, defines=defines, **pk_kw)
     t, r = build_qkv(pk, sh, ms, pos, seed=pos)
     build_attention(pk, t, sh, ms, merge=merge)
     compiled(pk)
