@@ -208,7 +208,7 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
 // MEGART_ATTN_MERGE_STAGED=1 (off until measured): the merging instance stages every chunk's (m, l) in shared
 // memory, one thread per (head, chunk), after each thread has issued the o partials of all its outputs. A
 // thread with two outputs (hd 128, group 4 at 256 threads: the 8B shape) then waits one memory round trip
-// instead of two. Per output the arithmetic is merge_batched's, in its order: the same bits. Compiled only
+// instead of two. Per output the arithmetic is merge_batched's (merge_weighted): the same bits. Compiled only
 // when asked for, so the default kernel's code is the one measured without it.
 #ifndef MEGART_ATTN_MERGE_STAGED
 #define MEGART_ATTN_MERGE_STAGED 0
@@ -246,22 +246,8 @@ __device__ __forceinline__ void merge_staged(const megart_params_attention_decod
   for (int k = 0; k < kMergeOuts; ++k) {
     const int t = threadIdx.x + k * MEGART_THREADS;
     if (t >= n) continue;
-    const float* m = s_m + (t / HD) * B;
-    const float* l = s_l + (t / HD) * B;
-    float M = neg_inf(), L = 0.f, O = 0.f;
-#pragma unroll
-    for (int c = 0; c < B; ++c)
-      if (c < C) M = fmaxf(M, m[c]);
-    if (M != neg_inf()) {
-#pragma unroll
-      for (int c = 0; c < B; ++c) {
-        if (c < C) {
-          const float w = exp2f((m[c] - M) * kLog2e);
-          L = fmaf(w, l[c], L);
-          O = fmaf(w, ov[k][c], O);
-        }
-      }
-    }
+    float L = 0.f, O = 0.f;
+    merge_weighted<B>(s_m + (t / HD) * B, s_l + (t / HD) * B, ov[k], C, L, O);
     merge_store(p, back, t, L > 0.f ? O / L : 0.f);
   }
 }
