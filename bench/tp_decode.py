@@ -202,9 +202,9 @@ REF_GATE = 3e-2     # the single-GPU gate against the reference (tests/gpu/test_
 
 def greedy_tp1(one, ref, cfg, start, steps, budget=None):
     """The single-GPU model greedily from token `start` at cfg.prefill; the reference (or None) fed the same
-    tokens at the same positions. Returns (each step's input token, TP=1's tokens, its logits, the reference's).
-    `budget` ({name: Reference}): the error budget's implementations, fed the same tokens; each step's relerr
-    against the reference is appended to budget_errs[name] (returned fifth when budget is given)."""
+    tokens at the same positions. `budget` ({name: Reference}): the error budget's implementations, fed the same
+    tokens. Returns (each step's input token, TP=1's tokens, its logits, the reference's, {name: each step's
+    relerr of that implementation against the reference}, empty without a budget)."""
     one.reset(cfg.prefill, start, clear_kv=True)
     ins, toks, l1, lr = [], [], [], []
     errs = {k: [] for k in (budget or {})}
@@ -219,7 +219,7 @@ def greedy_tp1(one, ref, cfg, start, steps, budget=None):
         ins.append(t)
         t = int(tok)
         toks.append(t)
-    return (ins, toks, l1, lr, errs) if budget is not None else (ins, toks, l1, lr)
+    return ins, toks, l1, lr, errs
 
 
 def error_budget_refs(cfg, weights, kv) -> dict:
@@ -278,11 +278,11 @@ def greedy_relerr(one, tp, cfg, world, rank, steps, dev, error_budget=False) -> 
     on its tokens; the inputs are broadcast and fed to the TP model."""
     start = 11
     ins = torch.zeros(steps, dtype=torch.int64, device=dev)
-    toks1 = l1 = lr = None
+    toks1 = l1 = lr = errs = None
     if rank == 0:
         ref = Reference(cfg, one.weights, one.kv)      # (its own copy of the prefilled caches)
         budget = error_budget_refs(cfg, one.weights, one.kv) if error_budget else None
-        got, toks1, l1, lr, *errs = greedy_tp1(one, ref, cfg, start, steps, budget)
+        got, toks1, l1, lr, errs = greedy_tp1(one, ref, cfg, start, steps, budget)
         ins.copy_(torch.tensor(got, dtype=torch.int64))
         del ref, budget
         torch.cuda.empty_cache()
@@ -301,7 +301,7 @@ def greedy_relerr(one, tp, cfg, world, rank, steps, dev, error_budget=False) -> 
         return dict(greedy_steps=steps)
     out = dict(greedy_steps=steps, **relerr_report(l1, lr, l2, toks1, toks2))
     if errs:
-        out["error_budget"] = budget_report(errs[0])
+        out["error_budget"] = budget_report(errs)
     return out
 
 

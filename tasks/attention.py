@@ -26,7 +26,8 @@ from types import SimpleNamespace
 from ..geometry.attention import attention_chunks, auto_tiles, chunk_range
 from ..registry import Cost, TaskType, header_constants, ptr, register, scalar
 from ..tensors import as_ref
-from .dense_common import HEADERS as DENSE_HEADERS, SCRATCH_BYTES as DENSE_SCRATCH, fold_pieces, fold_ref, nbytes, opt_ref
+from .dense_common import (HEADERS as DENSE_HEADERS, SCRATCH_BYTES as DENSE_SCRATCH, FOLD_PARAMS, fold_pieces,
+                           fold_ref, nbytes, opt_ref)
 from .shapes import check_shape
 from .tiling import even_tiles, require
 
@@ -283,9 +284,7 @@ register(TaskType(
             ptr("head_norm", "bf16", "weight"),
             scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
             scalar("eps", "f32"), ptr("tdst", "bf16", "out", optional=True, tagged=True),
-            ptr("tdst2", "bf16", "out", optional=True, tagged=True),
-            ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True), scalar("tp"),
-            scalar("x_lo"), scalar("x_hi")),
+            ptr("tdst2", "bf16", "out", optional=True, tagged=True), *FOLD_PARAMS),
     source="tasks/qkv_rope_append.cuh", headers=QKV_HEADERS, reference=_qkv_ref,
     split=_qkv_split, cost=_qkv_cost, smem_bytes=SMEM_QKV, prefetch=True, stream=True,
     doc="q, k, v = (rmsnorm(x)) @ w_qkv.T; optional per-head RMSNorm of q, k (q_norm / k_norm, Qwen3); "
@@ -302,9 +301,7 @@ register(TaskType(
             ptr("head_norm", "bf16", "weight", optional=True),
             scalar("mode"), scalar("npairs"), scalar("pair0"), scalar("d"), scalar("half"), scalar("max_seq"),
             scalar("eps", "f32"), ptr("scale", "f32", "weight"), ptr("tdst", "bf16", "out", optional=True, tagged=True),
-            ptr("tdst2", "bf16", "out", optional=True, tagged=True),
-            ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True), scalar("tp"),
-            scalar("x_lo"), scalar("x_hi")),
+            ptr("tdst2", "bf16", "out", optional=True, tagged=True), *FOLD_PARAMS),
     source="tasks/qkv_rope_append_fp8.cuh", headers=QKV_HEADERS, reference=_qkv_ref,
     split=lambda nw, tiles=1, **kw: _qkv_split(nw, tiles, T="qkv_rope_append_fp8", **kw), cost=_qkv_cost,
     smem_bytes=SMEM_QKV, prefetch=True, stream=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import header_constants
+from ..registry import header_constants, ptr, scalar
 from ..tensors import DTYPES, TensorRef, as_ref
 from .tiling import even_tiles, require
 
@@ -165,6 +165,11 @@ def sum_parts(x: torch.Tensor, parts: torch.Tensor, tp: int, stride: int | None 
     for r in range(tp):
         acc += parts[r * stride:r * stride + n].float()
     return acc.to(torch.bfloat16)
+
+
+# The parameters of a folded all-reduce (fold_pieces' per-instance values), in this order in every type that takes one.
+FOLD_PARAMS = (ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True), scalar("tp"),
+               scalar("x_lo"), scalar("x_hi"))
 
 
 def fold_pieces(task: str, x: TensorRef, outs: list, parts, tp, x_out, n_inst: int) -> list:

@@ -13,7 +13,7 @@ from ..geometry.dense import EXPERT_ROWS  # group_gemm_m1: each expert's tile of
 from ..registry import Cost, TaskType, ptr, register, scalar
 from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_PARTS, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS,
                            STAGE_SMEM, aligned, check_k, tagged_flags, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub,
-                           wrappers, fold_pieces, fold_ref)
+                           wrappers, fold_pieces, fold_ref, FOLD_PARAMS)
 from .shapes import check_shape
 from .tiling import even_tiles, require
 
@@ -201,7 +201,7 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
 
 
 def _gate_up_ref(p) -> None:
-    x = fold_ref(p, p.x) if p.flags & FLAG_PARTS else p.x
+    x = fold_ref(p, p.x)
     xs = stage_x(x, _norm(p), p.eps)
     gate = p.w_gate.view(p.n, p.k).float() @ xs
     up = p.w_up.view(p.n, p.k).float() @ xs
@@ -224,8 +224,7 @@ register(TaskType(
     generated=wrappers("w_gate", "w_up", ring=True),
     params=(ptr("h", "bf16", "out", tagged=True), ptr("w_gate", "bf16", "weight"), ptr("w_up", "bf16", "weight"),
             ptr("x", "bf16", "in", tagged=True), ptr("norm_weight", "bf16", "weight", optional=True),
-            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True),
-            scalar("tp"), scalar("x_lo"), scalar("x_hi")),
+            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), *FOLD_PARAMS),
     source=source("gate_up_silu"), headers=HEADERS, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
     prefetch=True, **RING,
     doc="h[F] = silu(Wg[F,K] x) * (Wu[F,K] x), gate and up kept in fp32 registers (never stored); optional "
@@ -240,8 +239,7 @@ register(TaskType(
     params=(ptr("h", "bf16", "out", tagged=True), ptr("w_gate", "fp8e4m3", "weight"), ptr("w_up", "fp8e4m3", "weight"),
             ptr("s_gate", "f32", "weight"), ptr("s_up", "f32", "weight"), ptr("x", "bf16", "in", tagged=True),
             ptr("norm_weight", "bf16", "weight", optional=True),
-            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), ptr("parts", "f32", "in", optional=True), ptr("x_out", "bf16", "out", optional=True),
-            scalar("tp"), scalar("x_lo"), scalar("x_hi")),
+            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), *FOLD_PARAMS),
     source=source("gate_up_silu_fp8"), headers=HEADERS, reference=_gate_up_ref,
     split=lambda nw, tiles=1, **kw: _gate_up_split(nw, tiles, task="gate_up_silu_fp8", **kw), cost=_gate_up_cost,
     prefetch=True, **RING,

@@ -28,7 +28,8 @@ def test_greedy_relerr_fields(bench):
     cfg, steps = llama.tiny(), 3
     W, kv = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
     one = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW)
-    ins, toks1, l1, lr = bench.greedy_tp1(one, Reference(cfg, W, kv), cfg, 11, steps)
+    ins, toks1, l1, lr, errs = bench.greedy_tp1(one, Reference(cfg, W, kv), cfg, 11, steps)
+    assert errs == {}
     assert ins[0] == 11 and ins[1:] == toks1[:-1] and len(lr) == steps
     group = LlamaTPGroup(cfg, 2, W, clone_kv(kv), nw=NW)
     l2, toks2 = bench.feed(group.step, ins)
@@ -60,7 +61,7 @@ def test_error_budget_over_the_greedy_tokens(bench):
     assert 0 < rep["E_fp32"]["max"] < 0.05 and rep["D_skip_last_layer"]["min"] > 10 * rep["E_fp32"]["max"]
     assert rep["E_torch_bf16"]["max"] >= rep["E_torch_bf16"]["median"] >= rep["E_torch_bf16"]["min"] > 0
     # the budget's references step on copies of the caches: the reference itself is unchanged by them
-    _, _, _, lr2 = bench.greedy_tp1(one, Reference(cfg, W, kv), cfg, 11, steps)
+    _, _, _, lr2, _ = bench.greedy_tp1(one, Reference(cfg, W, kv), cfg, 11, steps)
     assert all(bool((a == b).all()) for a, b in zip(lr, lr2))
 
 
