@@ -6,11 +6,9 @@
 #   TOOLS="memcheck racecheck")
 set -u
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export MEGART_CACHE_DIR=${MEGART_CACHE_DIR:-/tmp/megart-cache}
-run=(python3 -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" scripts/sanitize_tp_step.py
-     --layers "${LAYERS:-2}")
+# (scripts/tp_run.sh: torchrun with NPROC ranks and NVLink multicast off)
+run=(scripts/tp_run.sh scripts/sanitize_tp_step.py --layers "${LAYERS:-2}")
 bad=0
 "${run[@]}" --steps 1 "$@" > /dev/null || bad=1
 for tool in ${TOOLS:-memcheck racecheck}; do
