@@ -56,7 +56,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long by
     bytes -= chunk;
   }
 }
+// Ask L1 for the line of p (a read-only operand a body will load later, e.g. an fp8 row scale).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 #else
+inline void prefetch_l1(const void*) {}
 __device__ __forceinline__ unsigned long long l2_evict_first() { return 0; }
 __device__ __forceinline__ unsigned long long l2_evict_last() { return 0; }
 // Host simulation: what the last instance's prefetch asked for (tests check the cap and the slice head).

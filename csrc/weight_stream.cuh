@@ -184,9 +184,19 @@ __device__ __forceinline__ unsigned long long* stream_full(int warp, int slot) {
 __device__ __forceinline__ unsigned long long* stream_empty(int warp, int slot) {
   return &s_stream.empty[warp * kStreamSlots + slot];
 }
+#ifdef __CUDA_ARCH__
+// The kernel's dynamic shared memory (declared again in the kernel: every extern __shared__ array starts
+// there). Slots addressed from it are known to be shared memory, so their reads compile to LDS; through
+// the pointer kept in s_stream they were generic loads (LD), which wait on the long scoreboard.
+extern __shared__ __align__(MEGART_SMEM_ALIGN) char megart_smem[];
 __device__ __forceinline__ char* stream_slot(int warp, int slot) {
+  return megart_smem + kStreamOffset + (size_t)(warp * kStreamSlots + slot) * kStreamSlotBytes;
+}
+#else
+inline char* stream_slot(int warp, int slot) {
   return s_stream.smem + kStreamOffset + (size_t)(warp * kStreamSlots + slot) * kStreamSlotBytes;
 }
+#endif
 
 // Compute warp: spin until phase `parity` of barrier b completes. Bounded: leaves (false) once any watchdog
 // fired, and past the watchdog records a hang (event `ev`, have = the warp's stage number, need = the warp).

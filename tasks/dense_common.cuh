@@ -555,12 +555,32 @@ template <class Rows>
 __device__ __forceinline__ void ring_fill(const MatvecPlan<Rows>& m, char* smem) {
   ring_fill(m.groups, m.kc, m.rows, smem);
 }
+// Epilogue operands. An epilogue that loads a read-only operand per group (an fp8 row's scale) would stall
+// its warp for a memory round trip after every group's dots, behind the weight stream's traffic; at one
+// stage per group (k = 2048 in fp8) that round trip cost more than the stage. `pre(g)` asks L1 for group g's
+// operands; every group the warp will finish is asked for before its first stage. NoPre: none.
+struct NoPre {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+template <class Pre>
+__device__ __forceinline__ void prefetch_epilogues(int groups, Pre pre) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (groups >= kWarps) {  // whole pairs: warp w finishes groups w, w + kWarps, ...
+    for (int g = warp + kWarps * lane; g < groups; g += 32 * kWarps) pre(g);
+  } else if (lane == 0) {  // one K slice per warp: group warp / split
+    const int split = kWarps / groups;
+    if (warp % split == 0 && warp / split < groups) pre(warp / split);
+  }
+}
+__device__ __forceinline__ void prefetch_epilogues(int, NoPre) {}
+
 // The body side of a task with a prewait: weights from the ring it filled, or through registers when
 // this kernel has no ring (MEGART_DENSE_RING_SLOTS == 0: the prewait did nothing).
 // P (the type's params struct) says whether this type is on the launch-wide weight stream.
-template <bool FP8, class P, class Rows, class Epi>
+template <bool FP8, class P, class Rows, class Epi, class Pre = NoPre>
 __device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
-                                                 char* smem) {
+                                                 char* smem, Pre pre = Pre{}) {
+  prefetch_epilogues(m.groups, pre);
 #if MEGART_STREAM_SLOTS > 0
   if constexpr (StreamOn<P>::value) {
     matvec_stream<FP8>(m.groups, m.kc, xs, red, epi);
@@ -577,8 +597,10 @@ __device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, cons
 
 // The body side of a type without a prewait (qkv_rope_append): weights from the launch-wide stream when
 // the type is streamed, else through registers (the per-instance ring needs a prewait to fill it).
-template <bool FP8, class P, class Rows, class Epi>
-__device__ __forceinline__ void matvec_streamed(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi) {
+template <bool FP8, class P, class Rows, class Epi, class Pre = NoPre>
+__device__ __forceinline__ void matvec_streamed(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
+                                                Pre pre = Pre{}) {
+  prefetch_epilogues(m.groups, pre);
 #if MEGART_STREAM_SLOTS > 0
   if constexpr (StreamOn<P>::value) {
     matvec_stream<FP8>(m.groups, m.kc, xs, red, epi);
@@ -678,7 +700,7 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
   stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), sum, p.flags & kFlagTaggedX);
   const int lane = threadIdx.x & 31;
   const bool tag_out = p.flags & kFlagTaggedOut;
-  matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), [&](int g, float gate, float up) {
+  auto epi = [&](int g, float gate, float up) {
     if constexpr (FP8) {
       gate *= __ldg(s_gate + g);
       up *= __ldg(s_up + g);
@@ -688,7 +710,15 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
       if (tag_out) st_tagged(p.h, g, h);
       else p.h[g] = h;
     }
-  }, smem);
+  };
+  if constexpr (FP8) {
+    matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) {
+      prefetch_l1(s_gate + g);
+      prefetch_l1(s_up + g);
+    });
+  } else {
+    matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem);
+  }
 }
 
 // The LM head's body (lm_head_argmax, lm_head_argmax_fp8): the logits of the instance's rows (FP8: times
@@ -702,7 +732,7 @@ __device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>&
   const int lane = threadIdx.x & 31;
   float bv = neg_inf();
   int bi = kNoIndex;
-  matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), [&](int g, float a, float b) {
+  auto epi = [&](int g, float a, float b) {
     const int r = 2 * g;
     if constexpr (FP8) {
       a *= __ldg(scale + r);
@@ -715,7 +745,11 @@ __device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>&
       b = nan_low(b);
       if (better(b, p.row0 + r + 1, bv, bi)) { bv = b; bi = p.row0 + r + 1; }
     }
-  }, smem);
+  };
+  if constexpr (FP8)
+    matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) { prefetch_l1(scale + 2 * g); });
+  else
+    matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem);
   block_argmax(bv, bi, scratch_of(smem));
   if (threadIdx.x == 0) {
     p.part_val[0] = bv;

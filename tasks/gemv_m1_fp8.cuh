@@ -16,5 +16,5 @@ __device__ __forceinline__ void megart_task_gemv_m1_fp8(const P& p, char* smem) 
   matvec_prewaited<true, P>(plan_gemv_m1_fp8(p), xs, scratch_of(smem), [&](int g, float a, float b) {
     const int r = 2 * g + lane;
     if (lane < 2 && r < p.n) gemv_store(p, r, (lane ? b : a) * __ldg(p.scale + r));
-  }, smem);
+  }, smem, [&](int g) { prefetch_l1(p.scale + 2 * g); });
 }

@@ -63,7 +63,7 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
   dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch, sum,
               (p.mode & at::kModeTaggedX) != 0);
   // (an out-of-range position still reads its weights: a streamed type consumes every stage it declared)
-  dn::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, [&](int g, float lo, float hi) {
+  auto epi = [&](int g, float lo, float hi) {
     if constexpr (kFp8) {
       lo *= __ldg(p.scale + g);
       hi *= __ldg(p.scale + half + g);
@@ -72,7 +72,15 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
       dots[g] = lo;
       dots[np + g] = hi;
     }
-  });
+  };
+  if constexpr (kFp8) {
+    dn::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, epi, [&](int g) {
+      megart::prefetch_l1(p.scale + g);
+      megart::prefetch_l1(p.scale + half + g);
+    });
+  } else {
+    dn::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, epi);
+  }
   __syncthreads();
   if (pos < 0 || pos >= p.max_seq) return;  // out-of-range position: the instance writes nothing
 

@@ -166,7 +166,9 @@ def test_full_size_graph_compiles_without_spills(name):
     # the dynamic window (the rings) starts on a 128-byte boundary: ptxas counts the padding as static, and the
     # ring was sized against no less static memory than the kernel has (a misaligned window cost 9-29%)
     from megart import codegen, stream
-    assert m.pk.report.smem_bytes % codegen.SMEM_ALIGN == 0 and f"__align__({codegen.SMEM_ALIGN})" in m.pk.source.text
+    assert m.pk.report.smem_bytes % codegen.SMEM_ALIGN == 0
+    assert f"#define MEGART_SMEM_ALIGN {codegen.SMEM_ALIGN}\n" in m.pk.source.text
+    assert "extern __shared__ __align__(MEGART_SMEM_ALIGN) char megart_smem[];" in m.pk.source.text
     if lay.slots:
         assert m.pk.report.smem_bytes <= stream.static_reserve(m.pk.kernel_config()), m.pk.report
     types = {i.type.name for i in s.instances}
