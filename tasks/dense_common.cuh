@@ -711,14 +711,12 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
       else p.h[g] = h;
     }
   };
-  if constexpr (FP8) {
-    matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) {
+  matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) {
+    if constexpr (FP8) {
       prefetch_l1(s_gate + g);
       prefetch_l1(s_up + g);
-    });
-  } else {
-    matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem);
-  }
+    }
+  });
 }
 
 // The LM head's body (lm_head_argmax, lm_head_argmax_fp8): the logits of the instance's rows (FP8: times
@@ -746,10 +744,9 @@ __device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>&
       if (better(b, p.row0 + r + 1, bv, bi)) { bv = b; bi = p.row0 + r + 1; }
     }
   };
-  if constexpr (FP8)
-    matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) { prefetch_l1(scale + 2 * g); });
-  else
-    matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem);
+  matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) {
+    if constexpr (FP8) prefetch_l1(scale + 2 * g);
+  });
   block_argmax(bv, bi, scratch_of(smem));
   if (threadIdx.x == 0) {
     p.part_val[0] = bv;

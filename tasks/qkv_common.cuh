@@ -73,14 +73,12 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
       dots[np + g] = hi;
     }
   };
-  if constexpr (kFp8) {
-    dn::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, epi, [&](int g) {
+  dn::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, epi, [&](int g) {
+    if constexpr (kFp8) {
       megart::prefetch_l1(p.scale + g);
       megart::prefetch_l1(p.scale + half + g);
-    });
-  } else {
-    dn::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, epi);
-  }
+    }
+  });
   __syncthreads();
   if (pos < 0 || pos >= p.max_seq) return;  // out-of-range position: the instance writes nothing
 
