@@ -205,54 +205,6 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
   }
 }
 
-// MEGART_ATTN_MERGE_STAGED=1 (off until measured): the merging instance stages every chunk's (m, l) in shared
-// memory, one thread per (head, chunk), after each thread has issued the o partials of all its outputs. A
-// thread with two outputs (hd 128, group 4 at 256 threads: the 8B shape) then waits one memory round trip
-// instead of two. Per output the arithmetic is merge_batched's (merge_weighted): the same bits. Compiled only
-// when asked for, so the default kernel's code is the one measured without it.
-#ifndef MEGART_ATTN_MERGE_STAGED
-#define MEGART_ATTN_MERGE_STAGED 0
-#endif
-#if MEGART_ATTN_MERGE_STAGED
-constexpr int kMergeOuts = 2;  // outputs per thread the staged merge holds
-// (builds without the batched merge, kMergeBatch == 0, keep merge_point)
-
-__device__ __forceinline__ void merge_store(const megart_params_attention_decode& p, int back, int t, float r) {
-  const __nv_bfloat16 v = __float2bfloat16_rn(r);
-  if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out) - back, t, v);
-  else (p.out - back)[t] = v;
-}
-
-__device__ __forceinline__ void merge_staged(const megart_params_attention_decode& p, char* smem, const float* ml,
-                                             const float* po, int G, int HD, int C, int n, int back) {
-  constexpr int B = kMergeBatch > 0 ? kMergeBatch : 1;
-  float* s_m = reinterpret_cast<float*>(smem) + 4;  // (after the arrival flag) [G][B], then s_l [G][B]
-  float* s_l = s_m + G * B;
-  float ov[kMergeOuts][B];
-  const unsigned stride = (unsigned)(G * HD);  // (32-bit offsets: n * C < 2^31)
-#pragma unroll
-  for (int k = 0; k < kMergeOuts; ++k) {  // first: these loads need nothing staged
-    const unsigned t = threadIdx.x + k * MEGART_THREADS;
-#pragma unroll
-    for (int c = 0; c < B; ++c) ov[k][c] = (t < (unsigned)n && c < C) ? ld_in_f32(po + t + c * stride) : 0.f;
-  }
-  for (int i = threadIdx.x; i < G * C; i += MEGART_THREADS) {
-    const int g = i / C, c = i - g * C;
-    s_m[g * B + c] = ld_in_f32(ml + (long long)c * G * 2 + g * 2);
-    s_l[g * B + c] = ld_in_f32(ml + (long long)c * G * 2 + g * 2 + 1);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int k = 0; k < kMergeOuts; ++k) {
-    const int t = threadIdx.x + k * MEGART_THREADS;
-    if (t >= n) continue;
-    float L = 0.f, O = 0.f;
-    merge_weighted<B>(s_m + (t / HD) * B, s_l + (t / HD) * B, ov[k], C, L, O);
-    merge_store(p, back, t, L > 0.f ? O / L : 0.f);
-  }
-}
-#endif  // MEGART_ATTN_MERGE_STAGED
-
 // The fused form (out and arrivals given; the splitter keeps every q head of a kv head in one instance):
 // the last of the kv head's nchunks instances to arrive merges all their partials into out, with the
 // arithmetic of attention_merge, so o_proj waits on this call alone. The instance's pointers sit at its own
@@ -272,12 +224,6 @@ __device__ __forceinline__ void merge_if_last(const megart_params_attention_deco
   const float* ml = p.part_ml - p.cidx * G * 2;
   const float* po = p.part_o - p.cidx * n;
   const int back = p.cidx * n / C;  // (elements: 2-byte values, or 4-byte tagged words)
-#if MEGART_ATTN_MERGE_STAGED
-  if (kMergeBatch > 0 && C <= kMergeBatch && n <= kMergeOuts * MEGART_THREADS) {
-    merge_staged(p, smem, ml, po, G, HD, C, n, back);
-    return;
-  }
-#endif
   for (int t = threadIdx.x; t < n; t += MEGART_THREADS) {
     const int g = t / HD;
     const __nv_bfloat16 v = __float2bfloat16_rn(merge_point(ml + g * 2, po + t, C, G, HD));

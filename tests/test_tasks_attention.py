@@ -379,18 +379,18 @@ def test_attention_bodies_run_on_the_host(hd, pos, defines):
     assert rel(dev["out"], emu["out"]) <= TOL_ATTN / 2 and rel(dev["part_o"], emu["part_o"]) <= TOL_ATTN / 2
 
 
-@pytest.mark.parametrize("hd,defines", [(64, {}), (128, {"MEGART_ATTN_MERGE_STAGED": 1})], ids=["hd64", "hd128-staged"])
-def test_fused_merge_gives_the_merge_calls_bits(hd, defines):
+@pytest.mark.parametrize("hd", [64, 128])
+def test_fused_merge_gives_the_merge_calls_bits(hd):
     """attention_decode with out and arrivals (the last chunk of each kv head to arrive merges) writes the same
     bits as attention_decode + attention_merge, in the host-run CUDA bodies and in the emulator, and leaves
     every arrival counter at 0 for the next step. (The merge runs after either K/V path of the body, so the
     ring path's shape stands for both; the register path's partials are checked above.) hd 128, group 4 gives
-    each thread two outputs: MEGART_ATTN_MERGE_STAGED merges both after one round trip, with the same bits."""
+    each thread two outputs."""
     pos = 2046
     from megart.emulate import hostsim
     runs = {}
     for merge in ("call", "fused"):
-        pk, emu, q_ref, out_ref = _chain_on_the_host(hd, pos, merge=merge, defines=defines)
+        pk, emu, q_ref, out_ref = _chain_on_the_host(hd, pos, merge=merge)
         runs[merge] = hostsim.run(pk, seed=3), emu
         check(runs[merge][0]["out"], out_ref, TOL_ATTN, f"{merge}: attention out (host-run bodies)")
         check(emu["out"], out_ref, TOL_ATTN, f"{merge}: attention out (emulator)")
