@@ -14,6 +14,7 @@ _MACRO = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 OWNED_MACROS = {
     "MEGART_THREADS": "the CTA size (threads=)",
     "MEGART_MIN_BLOCKS": "CTAs per SM, from nw and the SM count",
+    "MEGART_SMEM_ALIGN": "the dynamic shared-memory window's alignment (codegen.SMEM_ALIGN)",
     "MEGART_PROFILE": "profiling (profile=True)",
     "MEGART_TP": "the tensor-parallel group size, set when the graph uses peer events (peers=)",
     "MEGART_DENSE_RING_OFFSET": "the dense ring layout, computed from MEGART_DENSE_RING_SLOTS",
@@ -33,7 +34,7 @@ OWNED_MACROS = {
 # Macros that must be non-negative integers: Python also reads them (to size shared memory), or the device
 # code tests them as numbers (MEGART_LEAN_SYNC: one release fence per instance's signals, csrc/runtime.cuh).
 INT_MACROS = ("MEGART_DENSE_RING_SLOTS", "MEGART_ATTN_RING_BYTES", "MEGART_PREFETCH_KB", "MEGART_LEAN_SYNC",
-              "MEGART_PHASE_MARKS", "MEGART_DIAG_NO_WAIT")
+              "MEGART_PHASE_MARKS", "MEGART_DIAG_NO_WAIT", "MEGART_FP8_HDOT")
 
 
 def check_defines(defines, origin: str = "defines") -> dict:
