@@ -171,7 +171,7 @@ __device__ __forceinline__ float xs_to_f16(uint4* xs, int kc8, float* scratch) {
   if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = mx;
   __syncthreads();
   mx = warp_max((threadIdx.x & 31) < kWarps ? scratch[threadIdx.x & 31] : 0.f);
-  const int e = mx > 0.f && mx <= 3.0e38f ? 3 - ilogbf(mx) : 0;  // (a non-finite x stays non-finite)
+  const int e = mx > 0.f && mx <= 3.40282347e38f ? 3 - ilogbf(mx) : 0;  // (a non-finite x stays non-finite)
   const float up = ldexpf(1.f, e);
   for (int c = threadIdx.x; c < kc8; c += MEGART_THREADS) {  // (each thread its own chunks: no barrier before)
     float f[8];
