@@ -72,26 +72,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 // 128 threads): there the unrolled batch made ptxas spill.
 constexpr int kMergeBatch = (kLowRegs || MEGART_THREADS < 256) ? 0 : 16;
 
-// The weighted sums of one output over chunks c < C <= B, from its chunks' m, l and o (arrays or pointers):
-// M = max m_c, then L += w_c l_c and O += w_c o_c with w_c = exp2((m_c - M) log2 e), in chunk order.
-template <int B, class Mv, class Lv, class Ov>
-__device__ __forceinline__ void merge_weighted(const Mv& mv, const Lv& lv, const Ov& ov, int C, float& L, float& O) {
-  float M = neg_inf();
-#pragma unroll
-  for (int c = 0; c < B; ++c)
-    if (c < C) M = fmaxf(M, mv[c]);
-  if (M != neg_inf()) {
-#pragma unroll
-    for (int c = 0; c < B; ++c) {
-      if (c < C) {
-        const float w = exp2f((mv[c] - M) * kLog2e);
-        L = fmaf(w, lv[c], L);
-        O = fmaf(w, ov[c], O);
-      }
-    }
-  }
-}
-
 // One (head, dim) output over C <= B chunks, all loads first.
 template <int B>
 __device__ __forceinline__ bool merge_batched(const float* ml, const float* po, int C, int G, int HD, float& L,
@@ -107,7 +87,20 @@ __device__ __forceinline__ bool merge_batched(const float* ml, const float* po, 
         ov[c] = ld_in_f32(po + (long long)c * G * HD);
       }
     }
-    merge_weighted<B>(mv, lv, ov, C, L, O);
+    float M = neg_inf();
+#pragma unroll
+    for (int c = 0; c < B; ++c)
+      if (c < C) M = fmaxf(M, mv[c]);
+    if (M != neg_inf()) {
+#pragma unroll
+      for (int c = 0; c < B; ++c) {
+        if (c < C) {
+          const float w = exp2f((mv[c] - M) * kLog2e);
+          L = fmaf(w, lv[c], L);
+          O = fmaf(w, ov[c], O);
+        }
+      }
+    }
     return true;
   } else {
     return false;
