@@ -89,7 +89,12 @@ __device__ __forceinline__ float dot8(const uint4& w, const float (&x)[8], float
   return acc;
 }
 
-// 4 e4m3 bytes -> 4 floats (exact: every e4m3 value is an f16 value).
+// The low 2 e4m3 bytes of v -> an f16 pair (exact: every e4m3 value is an f16 value).
+__device__ __forceinline__ __half2 e4m3x2_half2(unsigned v) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
+  return __half2(r);
+}
+// 4 e4m3 bytes -> 4 floats.
 __device__ __forceinline__ void fp8x4(unsigned v, float* f) {
   const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
   const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v >> 16), __NV_E4M3);
@@ -121,10 +126,6 @@ __device__ __forceinline__ float dot16_fp8(const uint4& w, const uint4& x0, cons
 #endif
 constexpr bool kFp8HalfDot = MEGART_FP8_HDOT != 0;
 
-__device__ __forceinline__ __half2 e4m3x2_half2(unsigned v16) {
-  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v16 & 0xffffu), __NV_E4M3);
-  return __half2(r);
-}
 __device__ __forceinline__ __half2 as_half2(unsigned u) {
   __half2 h;
   memcpy(&h, &u, 4);
@@ -653,10 +654,10 @@ __device__ __forceinline__ void prefetch_epilogues(int groups, Pre pre) {
 }
 __device__ __forceinline__ void prefetch_epilogues(int, NoPre) {}
 
-// The body side of a task with a prewait: weights from the ring it filled, or through registers when
-// this kernel has no ring (MEGART_DENSE_RING_SLOTS == 0: the prewait did nothing).
-// P (the type's params struct) says whether this type is on the launch-wide weight stream.
-template <bool FP8, class P, class Rows, class Epi>
+// The engine of a matvec: the launch-wide stream when the type is streamed (P, its params struct, says so),
+// else the per-instance ring its prewait filled (kRing: the type has a prewait, and the kernel a ring), else
+// registers.
+template <bool FP8, class P, bool kRing, class Rows, class Epi>
 __device__ __forceinline__ void matvec_engines(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
                                                char* smem) {
 #if MEGART_STREAM_SLOTS > 0
@@ -666,49 +667,40 @@ __device__ __forceinline__ void matvec_engines(const MatvecPlan<Rows>& m, const 
     return;
   }
 #endif
-  if constexpr (kRingSlots > 0)
+  if constexpr (kRing && kRingSlots > 0)
     matvec_ring<FP8>(m.groups, m.kc, xs, red, m.rows, epi, smem);
   else
     matvec<FP8>(m.groups, m.kc, xs, red, m.rows, epi);
   span_mark(1);  // (profiled builds: the dots and their epilogues done, on warp 0)
 }
+// Before the engine: ask for the epilogues' operands (pre), and with MEGART_FP8_HDOT rewrite x as f16 and give
+// the engine an epilogue that gets the dots times the inverse scale (exact).
+template <bool FP8, class P, bool kRing, class Rows, class Epi, class Pre>
+__device__ __forceinline__ void matvec_entry(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
+                                             char* smem, Pre pre) {
+  prefetch_epilogues(m.groups, pre);
+  if constexpr (FP8 && kFp8HalfDot) {
+    const float down = xs_to_f16(const_cast<uint4*>(xs), 2 * m.kc, red);
+    matvec_engines<FP8, P, kRing>(m, xs, red, [&](int g, float a, float b) { epi(g, a * down, b * down); }, smem);
+  } else {
+    matvec_engines<FP8, P, kRing>(m, xs, red, epi, smem);
+  }
+}
+
+// The body side of a task with a prewait: weights from the stream, from the ring the prewait filled, or through
+// registers when this kernel has neither (MEGART_DENSE_RING_SLOTS == 0: the prewait did nothing).
 template <bool FP8, class P, class Rows, class Epi, class Pre = NoPre>
 __device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
                                                  char* smem, Pre pre = Pre{}) {
-  prefetch_epilogues(m.groups, pre);
-  if constexpr (FP8 && kFp8HalfDot) {  // x as f16; the epilogue gets the dots times the inverse scale (exact)
-    const float down = xs_to_f16(const_cast<uint4*>(xs), 2 * m.kc, red);
-    matvec_engines<FP8, P>(m, xs, red, [&](int g, float a, float b) { epi(g, a * down, b * down); }, smem);
-  } else {
-    matvec_engines<FP8, P>(m, xs, red, epi, smem);
-  }
+  matvec_entry<FP8, P, true>(m, xs, red, epi, smem, pre);
 }
 
 // The body side of a type without a prewait (qkv_rope_append): weights from the launch-wide stream when
 // the type is streamed, else through registers (the per-instance ring needs a prewait to fill it).
-template <bool FP8, class P, class Rows, class Epi>
-__device__ __forceinline__ void matvec_streamed_engines(const MatvecPlan<Rows>& m, const uint4* xs, float* red,
-                                                        Epi epi) {
-#if MEGART_STREAM_SLOTS > 0
-  if constexpr (StreamOn<P>::value) {
-    matvec_stream<FP8>(m.groups, m.kc, xs, red, epi);
-    span_mark(1);
-    return;
-  }
-#endif
-  matvec<FP8>(m.groups, m.kc, xs, red, m.rows, epi);
-  span_mark(1);
-}
 template <bool FP8, class P, class Rows, class Epi, class Pre = NoPre>
 __device__ __forceinline__ void matvec_streamed(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
                                                 Pre pre = Pre{}) {
-  prefetch_epilogues(m.groups, pre);
-  if constexpr (FP8 && kFp8HalfDot) {
-    const float down = xs_to_f16(const_cast<uint4*>(xs), 2 * m.kc, red);
-    matvec_streamed_engines<FP8, P>(m, xs, red, [&](int g, float a, float b) { epi(g, a * down, b * down); });
-  } else {
-    matvec_streamed_engines<FP8, P>(m, xs, red, epi);
-  }
+  matvec_entry<FP8, P, false>(m, xs, red, epi, nullptr, pre);
 }
 
 // Row pairs (2g, 2g + 1) of a row-major W with n rows of `row_bytes`.
