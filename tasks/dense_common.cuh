@@ -89,12 +89,7 @@ __device__ __forceinline__ float dot8(const uint4& w, const float (&x)[8], float
   return acc;
 }
 
-// The low 2 e4m3 bytes of v -> an f16 pair (exact: every e4m3 value is an f16 value).
-__device__ __forceinline__ __half2 e4m3x2_half2(unsigned v) {
-  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
-  return __half2(r);
-}
-// 4 e4m3 bytes -> 4 floats.
+// 4 e4m3 bytes -> 4 floats (exact: every e4m3 value is an f16 value).
 __device__ __forceinline__ void fp8x4(unsigned v, float* f) {
   const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
   const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v >> 16), __NV_E4M3);
@@ -112,81 +107,6 @@ __device__ __forceinline__ float dot16_fp8(const uint4& w, const uint4& x0, cons
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc = fmaf(wf[8 + i], xf[i], acc);
   return acc;
-}
-
-// MEGART_FP8_HDOT=1 (off by default until measured): the e4m3 dots in packed f16 on the CUDA cores. The
-// FMA form above costs ~3.3 instructions per weight (e4m3 -> f16 -> f32, FMA, x unpacked), which caps a
-// warp pair per scheduler near 2 T weights/s, about half of what HBM delivers in fp8. Here x is staged as
-// f16 (xs_to_f16: scaled by a power of two into [8, 16) at its largest), each weight pair is converted once
-// (e4m3x2 -> f16x2) and multiplied into two f16x2 chains of 4 products per chunk (|sum| <= 4 * 448 * 16 <
-// 65504: no overflow; rounding ~2^-11 of a chunk's partial), which enter the fp32 sum per chunk: ~1.6
-// instructions per weight. Every engine adds the same chunks per lane in the same order.
-#ifndef MEGART_FP8_HDOT
-#define MEGART_FP8_HDOT 0
-#endif
-constexpr bool kFp8HalfDot = MEGART_FP8_HDOT != 0;
-
-__device__ __forceinline__ __half2 as_half2(unsigned u) {
-  __half2 h;
-  memcpy(&h, &u, 4);
-  return h;
-}
-__device__ __forceinline__ __half2 hfma2(__half2 a, __half2 b, __half2 c) {
-#ifdef __CUDA_ARCH__
-  return __hfma2(a, b, c);
-#else  // (host simulation: each half through fp32, then rounded to f16)
-  const float2 fa = __half22float2(a), fb = __half22float2(b), fc = __half22float2(c);
-  return __floats2half2_rn(fmaf(fa.x, fb.x, fc.x), fmaf(fa.y, fb.y, fc.y));
-#endif
-}
-// acc + w . x over one chunk: 16 e4m3 weights, 16 f16 x values (x0: 0-7, x1: 8-15).
-__device__ __forceinline__ float dot16_fp8_h2(const uint4& w, const uint4& x0, const uint4& x1, float acc) {
-  const unsigned ws[4] = {w.x, w.y, w.z, w.w}, xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-  __half2 a = __float2half2_rn(0.f), b = __float2half2_rn(0.f);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {  // word q: weights 4q, 4q + 1 (low half) and 4q + 2, 4q + 3 (high half)
-    a = hfma2(e4m3x2_half2(ws[q]), as_half2(xw[2 * q]), a);
-    b = hfma2(e4m3x2_half2(ws[q] >> 16), as_half2(xw[2 * q + 1]), b);
-  }
-  const float2 fa = __half22float2(a), fb = __half22float2(b);
-  return acc + ((fa.x + fa.y) + (fb.x + fb.y));
-}
-// One chunk of the fp8 matvec: the form this build compiles.
-__device__ __forceinline__ float dot16_e4m3(const uint4& w, const uint4& x0, const uint4& x1, float acc) {
-  if constexpr (kFp8HalfDot) return dot16_fp8_h2(w, x0, x1, acc);
-  else return dot16_fp8(w, x0, x1, acc);
-}
-
-// MEGART_FP8_HDOT: the staged bf16 x (kc8 16-byte chunks, after stage_x's closing barrier) rewritten in place
-// as f16, times the power of two that puts its largest magnitude in [8, 16) (bf16 -> f16 is then exact down
-// to 2^-18 of the largest element). Returns the factor that undoes it. Ends synced.
-__device__ __forceinline__ float xs_to_f16(uint4* xs, int kc8, float* scratch) {
-  float mx = 0.f;
-  for (int c = threadIdx.x; c < kc8; c += MEGART_THREADS) {
-    float f[8];
-    unpack8(xs[c], f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) mx = fmaxf(mx, fabsf(f[i]));
-  }
-  mx = warp_max(mx);
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = mx;
-  __syncthreads();
-  mx = warp_max((threadIdx.x & 31) < kWarps ? scratch[threadIdx.x & 31] : 0.f);
-  const int e = mx > 0.f && mx <= 3.40282347e38f ? 3 - ilogbf(mx) : 0;  // (a non-finite x stays non-finite)
-  const float up = ldexpf(1.f, e);
-  for (int c = threadIdx.x; c < kc8; c += MEGART_THREADS) {  // (each thread its own chunks: no barrier before)
-    float f[8];
-    unpack8(xs[c], f);
-    unsigned h[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __half2 v = __floats2half2_rn(f[2 * i] * up, f[2 * i + 1] * up);
-      memcpy(&h[i], &v, 4);
-    }
-    xs[c] = make_uint4(h[0], h[1], h[2], h[3]);
-  }
-  __syncthreads();
-  return ldexpf(1.f, -e);
 }
 
 // Prefetch the first min(bytes, cap) bytes of a weight slice into L2 (16-byte units; call from one thread).
@@ -277,8 +197,8 @@ __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs,
       const int cx = min(c + 32 * u, c1 - 1);
       if constexpr (FP8) {  // one chunk = 16 e4m3 weights = two staged bf16 x chunks
         const uint4 x0 = xs[2 * cx], x1 = xs[2 * cx + 1];
-        acc[0] = dot16_e4m3(wa[u], x0, x1, acc[0]);
-        acc[1] = dot16_e4m3(wb[u], x0, x1, acc[1]);
+        acc[0] = dot16_fp8(wa[u], x0, x1, acc[0]);
+        acc[1] = dot16_fp8(wb[u], x0, x1, acc[1]);
       } else {
         float xf[8];
         unpack8(xs[cx], xf);
@@ -474,8 +394,8 @@ __device__ __forceinline__ void dot2_stage(const uint4* slot, const uint4* xs, i
       const uint4 wa = slot[i], wb = slot[kStageChunks + i];
       if constexpr (FP8) {
         const uint4 x0 = xs[2 * (c + i)], x1 = xs[2 * (c + i) + 1];
-        acc[0] = dot16_e4m3(wa, x0, x1, acc[0]);
-        acc[1] = dot16_e4m3(wb, x0, x1, acc[1]);
+        acc[0] = dot16_fp8(wa, x0, x1, acc[0]);
+        acc[1] = dot16_fp8(wb, x0, x1, acc[1]);
       } else {
         float xf[8];
         unpack8(xs[c + i], xf);
@@ -673,18 +593,12 @@ __device__ __forceinline__ void matvec_engines(const MatvecPlan<Rows>& m, const 
     matvec<FP8>(m.groups, m.kc, xs, red, m.rows, epi);
   span_mark(1);  // (profiled builds: the dots and their epilogues done, on warp 0)
 }
-// Before the engine: ask for the epilogues' operands (pre), and with MEGART_FP8_HDOT rewrite x as f16 and give
-// the engine an epilogue that gets the dots times the inverse scale (exact).
+// Before the engine: ask for the epilogues' operands (pre).
 template <bool FP8, class P, bool kRing, class Rows, class Epi, class Pre>
 __device__ __forceinline__ void matvec_entry(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
                                              char* smem, Pre pre) {
   prefetch_epilogues(m.groups, pre);
-  if constexpr (FP8 && kFp8HalfDot) {
-    const float down = xs_to_f16(const_cast<uint4*>(xs), 2 * m.kc, red);
-    matvec_engines<FP8, P, kRing>(m, xs, red, [&](int g, float a, float b) { epi(g, a * down, b * down); }, smem);
-  } else {
-    matvec_engines<FP8, P, kRing>(m, xs, red, epi, smem);
-  }
+  matvec_engines<FP8, P, kRing>(m, xs, red, epi, smem);
 }
 
 // The body side of a task with a prewait: weights from the stream, from the ring the prewait filled, or through

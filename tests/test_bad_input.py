@@ -144,7 +144,7 @@ def test_item07_override_typo_is_an_error_listing_the_valid_keys(tmp_path):
     ({"MEGART_THREADS": 64}, "set by megart itself"),
     ({"MEGART_MIN_BLOCKS": 2}, "set by megart itself"),
     ({"MEGART_SMEM_ALIGN": 16}, "set by megart itself"),
-    ({"MEGART_FP8_HDOT": "on"}, "MEGART_FP8_HDOT='on' must be a non-negative integer"),
+    ({"MEGART_PHASE_MARKS": "on"}, "MEGART_PHASE_MARKS='on' must be a non-negative integer"),
     ({"1BAD": 1}, "not a macro name"),
     ({"A B": 1}, "not a macro name"),
     ({"X": "1\n#define Y 2"}, "one non-empty line"),

@@ -60,23 +60,6 @@ def test_stream_is_bit_identical_to_registers(n, k, tiles, nw, cuda):
             assert torch.equal(got[name], t), (defines, name)
 
 
-def test_fp8_half_dot_engines_agree(cuda):
-    """MEGART_FP8_HDOT=1 (the e4m3 dots in f16x2, x staged as f16): every stream engine gives the register
-    engine's bits for the fp8 output, which stays within gemv_m1_fp8's gate of the reference."""
-    hdot = {"MEGART_FP8_HDOT": 1}
-    n, k, tiles, nw = 4096, 2048, 264, 132
-    pk, want, (w, x, _, _) = _dense_chain({**REGISTERS, **hdot}, n, k, tiles, nw, cuda)
-    pk(steps=2)
-    w8, s8 = geo.quantize_fp8_per_channel(w)
-    tol = megart.registry.get("gemv_m1_fp8").tol
-    assert geo.relerr(want["y8"].cpu(), geo.ref_gemv_fp8(w8, s8, x)) <= tol
-    for defines in ENGINES[:3]:
-        spk, got, _ = _dense_chain({**defines, **hdot}, n, k, tiles, nw, cuda)
-        assert spk.stream_layout().slots > 0, defines
-        spk(steps=2)
-        assert torch.equal(got["y8"], want["y8"]), defines
-
-
 def test_a_stage_that_never_lands_names_the_ring_slot(tmp_path, cuda):
     """The producer skips every stage past each warp's first row pair: the warp waits for bytes that never
     come, the watchdog records the ring slot, and the context runs a good kernel afterwards."""
