@@ -1,6 +1,6 @@
 """The Llama decode step under several kernel macro sets (weight engines), one process, one floor.
 
-    PYTHONPATH=. python bench/stream_bench.py [--configs 1b] [--steps 200] [--phases] [--json out.json]
+    PYTHONPATH=. python bench/stream_bench.py [--configs 1b] [--steps 200] [--phases | --waits] [--json out.json]
         [--variants "default;MEGART_STREAM_SLOTS=0;MEGART_STREAM_SLOTS=0,MEGART_DENSE_RING_SLOTS=3"]
 
 Per config the weights and the KV prefix are made once; per variant (a MEGART_DEFINES-style list, or
@@ -9,7 +9,9 @@ Per config the weights and the KV prefix are made once; per variant (a MEGART_DE
 span recorder): per call kind, the wall, busiest-worker body time and the time workers waited before it;
 with --phases the profiled build also stamps the phase marks (MEGART_PHASE_MARKS=1: its walls run a little
 longer) and the body of each call's last-ending instance is split at them (dense types: x staged / dots
-done; attention: K/V attended / partials stored and arrival counted; summed over layers).
+done; attention: K/V attended / partials stored and arrival counted; summed over layers); with --waits it
+splits each streamed call's body by where the compute warps spent it instead (MEGART_STREAM_WAITS=1): before
+their first weight stage (x staging, the input's wait), waiting for stages, reading them (dots), the rest.
 That per-call table is how the engines are compared: which calls got slower or faster, and whether the
 difference is in the body (bytes arriving) or in the wait (the producer of the input).
 """
@@ -62,16 +64,45 @@ def split_variant(variant: dict) -> tuple[dict, dict]:
     return {k: v for k, v in variant.items() if k.startswith("MEGART_")}, model
 
 
-def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = None, model_kw=None) -> tuple[list, float]:
+def stream_waits(m, prof) -> list:
+    """Per call kind of a MEGART_STREAM_WAITS build, per step (summed over layers), us: the weight stages
+    read, and the mean worker's body time split by its mean compute warp into before its first stage
+    request (x staging, the input's wait), waiting for stages to land, reading them (dots), and the rest
+    (epilogues, the end barrier)."""
+    from megart.profile import BODY_BEGIN, BODY_END, INSTANCE, stream_wait_parts
+    rec = prof.records
+    labels, call_of = m.call_index(int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
+    ci = call_of[rec[:, INSTANCE]]
+    rec, ci = rec[ci >= 0], ci[ci >= 0]
+    kinds = np.array([m.call_kind(labels[c]) for c in ci])
+    parts = stream_wait_parts(rec)
+    body = rec[:, BODY_END] - rec[:, BODY_BEGIN]
+    n_steps, warps = max(1, len(prof.steps)), m.pk.threads // 32
+    out = []
+    for kind in dict.fromkeys(kinds):
+        sel = kinds == kind
+        wait, read, before, stages = parts[sel].sum(axis=0)
+        if stages == 0:
+            continue
+        per = n_steps * m.nw * warps * 1e3   # -> us per step for the mean warp of the mean worker
+        b = body[sel].sum() / n_steps / m.nw / 1e3
+        out.append(dict(kind=str(kind), stages=int(stages) / n_steps, body_per_worker_us=b,
+                        before_first_us=before / per, stage_wait_us=wait / per, read_us=read / per,
+                        rest_us=b - (before + wait + read) / per))
+    return out
+
+
+def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = None, model_kw=None) -> tuple:
     m, prof = profiled_steps(cfg, W, clone_kv(prefix), nw, steps, defines, **(model_kw or {}))
     if spans is not None:  # the raw records, with each instance's call label, for offline timelines
         labels, call_of = m.call_index()
         np.savez_compressed(spans, records=prof.records, call_of=call_of, labels=np.array(labels))
-    return m.call_breakdown(prof), median(list(prof.step_walls() / 1e3))
+    waits = stream_waits(m, prof) if int(defines.get("MEGART_STREAM_WAITS", 0) or 0) else []
+    return m.call_breakdown(prof), median(list(prof.step_walls() / 1e3)), waits
 
 
 def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Path | None = None,
-                phases: bool = False) -> dict:
+                phases: bool = False, waits: bool = False) -> dict:
     defines, model_kw = split_variant(variant)
     timer = Timer(torch.device("cuda"))
     m = llama.LlamaModel(cfg, W, clone_kv(prefix), nw=nw, defines=defines, **model_kw)
@@ -86,9 +117,9 @@ def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Pat
     rec["x_floor"] = rec["megart_us"] / rec["floor_us"]
     del m
     if profile:
-        marks = {"MEGART_PHASE_MARKS": 1} if phases else {}
-        rec["calls"], rec["profiled_step_wall_us"] = profile_calls(cfg, W, prefix, nw, {**defines, **marks},
-                                                                        spans=spans, model_kw=model_kw)
+        marks = {"MEGART_PHASE_MARKS": 1} if phases else {"MEGART_STREAM_WAITS": 1} if waits else {}
+        rec["calls"], rec["profiled_step_wall_us"], rec["stream_waits"] = profile_calls(
+            cfg, W, prefix, nw, {**defines, **marks}, spans=spans, model_kw=model_kw)
     torch.cuda.empty_cache()
     return rec
 
@@ -102,6 +133,14 @@ def calls_text(rec, phases: bool = False) -> str:
     return "\n".join(rows)
 
 
+def waits_text(rec) -> str:
+    rows = [f"  {'kind':10s} {'stages':>7s} {'body/wkr':>9s} {'before':>8s} {'st.wait':>8s} {'dots':>8s} {'rest':>8s}"]
+    for c in rec.get("stream_waits", []):
+        rows.append(f"  {c['kind']:10s} {c['stages']:7.0f} {c['body_per_worker_us']:9.1f} {c['before_first_us']:8.1f} "
+                    f"{c['stage_wait_us']:8.1f} {c['read_us']:8.1f} {c['rest_us']:8.1f}")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="1b")
@@ -111,9 +150,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--phases", action="store_true",
                     help="profile with the phase marks on and print each call's last instance split at them")
+    ap.add_argument("--waits", action="store_true",
+                    help="profile with MEGART_STREAM_WAITS=1 and print each streamed call's body split by where the "
+                         "compute warps spent it")
     ap.add_argument("--json", default=None)
     ap.add_argument("--spans", default=None, help="folder for each variant's raw span records (.npz)")
     args = ap.parse_args(argv)
+    if args.phases and args.waits:
+        ap.error("--phases and --waits both use the span records' mark words: choose one")
     if not torch.cuda.is_available():
         log("stream_bench times the GPU; no CUDA device here")
         return 2
@@ -133,7 +177,7 @@ def main(argv=None) -> int:
                 spans = Path(args.spans) / f"{name}_{tag}.npz"
             try:
                 rec = run_variant(cfg, W, prefix, args.nw, variant, args.steps, bw, not args.no_profile, spans,
-                                  args.phases)
+                                  args.phases, args.waits)
             except Exception as exc:   # one variant that does not build or run must not hide the others
                 rec = dict(variant=variant, error=f"{type(exc).__name__}: {exc}")
                 log(f"[{name}] {v or 'default'}: {rec['error']}")
@@ -145,6 +189,8 @@ def main(argv=None) -> int:
                 f"(floor {rec['floor_us']:.0f}), relerr {rec['relerr_first_step']:.4f}, stream slots "
                 f"{rec['stream_slots']}, {rec['registers']} regs")
             log(calls_text(rec, args.phases))
+            if args.waits:
+                log(waits_text(rec))
         del W, prefix
         torch.cuda.empty_cache()
     if args.json:

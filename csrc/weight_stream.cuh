@@ -170,6 +170,28 @@ struct StreamShared {
   WarpStream warp[kStreamWarps];
 };
 __shared__ StreamShared s_stream;
+#if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
+// MEGART_STREAM_WAITS (lane 0 of each compute warp): when the warp first asked for a stage in this instance
+// (0: not yet), and when it got the stage it is reading.
+__shared__ unsigned long long s_sw_first[kStreamWaits ? kStreamWarps : 1], s_sw_got[kStreamWaits ? kStreamWarps : 1];
+#endif
+// Thread 0 at an instance's body begin / after its closing barrier (MEGART_STREAM_WAITS builds): clear the
+// warps' first requests; add to mark word 1 the time from the body's begin to each warp's first request.
+__device__ __forceinline__ void stream_waits_begin() {
+#if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
+  if constexpr (kStreamWaits)
+    for (int w = 0; w < kStreamWarps; ++w) s_sw_first[w] = 0;
+#endif
+}
+__device__ __forceinline__ void stream_waits_finish(unsigned long long body_begin) {
+#if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
+  if constexpr (kStreamWaits)
+    for (int w = 0; w < kStreamWarps; ++w)
+      if (s_sw_first[w]) s_span_mark[1] += s_sw_first[w] - body_begin;
+#else
+  (void)body_begin;
+#endif
+}
 
 // Generated after the task bodies (codegen): sets ws.cursor up for entry d from its type's plan; false when
 // the entry has no stages for compute warp `warp` (or its type has no stream).
@@ -460,6 +482,19 @@ __device__ __forceinline__ void stream_note(int queue_pos, int type, int instanc
 __device__ __forceinline__ const char* stream_acquire(int warp) {
   const unsigned j = s_stream.warp[warp].consumed;
   const int slot = (int)(j % kStreamSlots);
+#if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
+  if constexpr (kStreamWaits) {  // (lane 0 times the wait for the stage; stream_release the read)
+    const unsigned long long t0 = globaltimer();
+    stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, -1 - slot, warp, j);
+    if ((threadIdx.x & 31) == 0) {
+      const unsigned long long t1 = globaltimer();
+      if (s_sw_first[warp] == 0) s_sw_first[warp] = t0;
+      s_sw_got[warp] = t1;
+      atomicAdd(&s_span_mark[0], t1 - t0);
+    }
+    return stream_slot(warp, slot);
+  }
+#endif
   stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, -1 - slot, warp, j);
   return stream_slot(warp, slot);
 }
@@ -468,6 +503,10 @@ __device__ __forceinline__ const char* stream_acquire(int warp) {
 // warp's reads, which __syncwarp ordered before it) and counts the stage; with inline production it
 // also issues the next stages here.
 __device__ __forceinline__ void stream_release(int warp) {
+#if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
+  if constexpr (kStreamWaits)
+    if ((threadIdx.x & 31) == 0) atomicAdd(&s_span_mark[0], (globaltimer() - s_sw_got[warp]) << 32);
+#endif
   __syncwarp();
   if (kEmptyArrivals == 32u) {
     const unsigned j = s_stream.warp[warp].consumed;
@@ -478,7 +517,15 @@ __device__ __forceinline__ void stream_release(int warp) {
     WarpStream& ws = s_stream.warp[warp];
     const unsigned j = ws.consumed;
     if (kFreeByBarrier && kEmptyArrivals == 1u) mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
-    st_release_shared(&ws.consumed, j + 1);
+#if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
+    if constexpr (kStreamWaits) atomicAdd(&s_span_mark[1], 1ull << 32);  // (a stage read)
+#endif
+    // The producer learns of the free slot from the barrier; the count is then the warp's own (its lanes read
+    // it after the __syncwarp below), and a release store would put a CTA fence (MEMBAR) on every stage.
+    if (kFreeByBarrier)
+      ws.consumed = j + 1;
+    else
+      st_release_shared(&ws.consumed, j + 1);
     if (!kProducerWarp) stream_inline_produce(ws, warp);
   }
   __syncwarp();

@@ -128,7 +128,13 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
       copy_desc_word(reinterpret_cast<unsigned long long*>(&s_desc[nxt2]) + threadIdx.x,
                      reinterpret_cast<const unsigned long long*>(descs + i + 2) + threadIdx.x);
 #ifdef MEGART_PROFILE
-    if (threadIdx.x == 0) s_span_t[1] = s_span_mark[0] = s_span_mark[1] = globaltimer();
+    if (threadIdx.x == 0) {
+      s_span_t[1] = globaltimer();
+      s_span_mark[0] = s_span_mark[1] = kStreamWaits ? 0ull : s_span_t[1];
+#if MEGART_STREAM_SLOTS > 0
+      stream_waits_begin();
+#endif
+    }
 #endif
     megart_dispatch(d, smem);
     megart_drain(d, smem);
@@ -140,6 +146,9 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
 #endif
       if (!(d.hdr[kHdr_flags] & kFlagSignalFirst)) signal_all(d, events, ctrl);
 #ifdef MEGART_PROFILE
+#if MEGART_STREAM_SLOTS > 0
+      stream_waits_finish(s_span_t[1]);
+#endif
       span_record(sink, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance], w, s_span_t[0], s_span_t[1], t_end, gen);
 #endif
     }

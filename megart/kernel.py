@@ -278,4 +278,5 @@ class PersistentKernel:
         self.check()
         recs = self._rt.spans.view(-1, SPAN_WORDS).cpu().numpy()
         overflow = int(self._rt.ctrl[CTRL["span_overflow"]].item())
-        return Profile(recs, registry.names_by_id(), overflow=overflow, nw=self.nw)
+        waits = str(self.defines.get("MEGART_STREAM_WAITS", 0)).strip() not in ("0", "")
+        return Profile(recs, registry.names_by_id(), overflow=overflow, nw=self.nw, timed_marks=not waits)

@@ -48,6 +48,15 @@ def phase_parts(rows: np.ndarray) -> np.ndarray:
     return np.stack([rows[:, MARK0] - rows[:, BODY_BEGIN], rows[:, MARK1] - rows[:, MARK0],
                      rows[:, BODY_END] - rows[:, MARK1]], axis=1)
 
+def stream_wait_parts(rows: np.ndarray) -> np.ndarray:
+    """(n, 4) per record of a MEGART_STREAM_WAITS build (csrc/runtime.cuh), ns summed over the compute
+    warps: waiting for weight stages to land, reading them (the dots), from the body's begin to the first
+    stage request (x staging, the input's wait); and the stages read."""
+    low = (1 << 32) - 1
+    m0, m1 = rows[:, MARK0].astype(np.int64), rows[:, MARK1].astype(np.int64)
+    return np.stack([m0 & low, m0 >> 32, m1 & low, m1 >> 32], axis=1)
+
+
 _METRICS = ("slow_cta", "wall", "sum_cta", "wait")
 
 
@@ -85,7 +94,7 @@ class Metric:
         return d
 
 
-def _as_records(records: np.ndarray) -> np.ndarray:
+def _as_records(records: np.ndarray, timed_marks: bool = True) -> np.ndarray:
     """Check shape/dtype and return the used rows (step != 0) as int64.
 
     A corrupted buffer must fail loudly rather than yield plausible-looking
@@ -121,9 +130,10 @@ def _as_records(records: np.ndarray) -> np.ndarray:
     _fail(used[:, BODY_END] < used[:, BODY_BEGIN], "body_end < body_begin")
     _fail(used[:, BODY_BEGIN] < used[:, WAIT_START], "body_begin < wait_start")
     _fail(used[:, WORKER] < 0, "a negative worker")
-    _fail((used[:, MARK0] < used[:, BODY_BEGIN]) | (used[:, MARK1] < used[:, BODY_BEGIN])
-          | (used[:, MARK0] > used[:, BODY_END]) | (used[:, MARK1] > used[:, BODY_END]),
-          "a phase mark outside its body")
+    if timed_marks:  # (a MEGART_STREAM_WAITS build keeps counts in the mark words: stream_wait_parts)
+        _fail((used[:, MARK0] < used[:, BODY_BEGIN]) | (used[:, MARK1] < used[:, BODY_BEGIN])
+              | (used[:, MARK0] > used[:, BODY_END]) | (used[:, MARK1] > used[:, BODY_END]),
+              "a phase mark outside its body")
     return np.ascontiguousarray(used)
 
 
@@ -296,8 +306,10 @@ class Profile:
         overflow: int = 0,
         nw: int | None = None,
         source: str = "measured",
+        timed_marks: bool = True,
     ) -> None:
-        self.records: np.ndarray = _as_records(records)
+        #: timed_marks=False: the mark words hold MEGART_STREAM_WAITS counts, not times (stream_wait_parts)
+        self.records: np.ndarray = _as_records(records, timed_marks)
         #: "measured" (the device's span buffer), or a description of a model (megart.emulated_spans)
         self.source = str(source)
         self.task_names: dict[int, str] = {int(k): str(v) for k, v in (task_names or {}).items()}

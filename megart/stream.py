@@ -111,7 +111,9 @@ def _forced(cfg: KernelConfig) -> int | None:
 def static_reserve(cfg: KernelConfig) -> int:
     """The static shared memory a kernel of `cfg` may use beside the dynamic (the ring is sized against it)."""
     tagged_attn = str(cfg.defines.get("MEGART_ATTN_TAGGED", 0)).strip() not in ("0", "")
-    return STATIC_RESERVE + (ATTN_TAGGED_STATIC if tagged_attn else 0)
+    waits = str(cfg.defines.get("MEGART_STREAM_WAITS", 0)).strip() not in ("0", "")
+    return (STATIC_RESERVE + (ATTN_TAGGED_STATIC if tagged_attn else 0)
+            + (cfg.threads // 32 * 16 if waits else 0))  # (the diagnostic's two stamps per warp)
 
 
 def slot_bytes(stage_chunks: int) -> int:

@@ -383,14 +383,18 @@ __device__ __forceinline__ void ring_drain(char* smem) {
   }
 }
 
-// acc[] += the lane's share of one stage (chunks [c, c + n) of both rows, staged in `slot`).
-template <bool FP8>
-__device__ __forceinline__ void dot2_stage(const uint4* slot, const uint4* xs, int c, int n, float (&acc)[2]) {
+// acc[] += the lane's share of one stage (chunks [c, c + n) of both rows, staged in `slot`). kPartial: n may
+// be short of kStageChunks, so each chunk is guarded. An fp8 stage that is full has no branch between its
+// chunks, so its shared-memory loads can be in flight together (guarded, each chunk's loads wait behind the
+// previous chunk's branch): 1b_fp8_all -4 us. The bf16 stages keep the guarded form, which measured 6 us
+// faster on the 1B step than the branch-free one (bench/RESULTS.md, thirteenth session).
+template <bool FP8, bool kPartial>
+__device__ __forceinline__ void dot2_stage_chunks(const uint4* slot, const uint4* xs, int c, int n, float (&acc)[2]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int u = 0; u < kStageUnroll; ++u) {
     const int i = lane + 32 * u;
-    if (i < n) {
+    if (!kPartial || i < n) {
       const uint4 wa = slot[i], wb = slot[kStageChunks + i];
       if constexpr (FP8) {
         const uint4 x0 = xs[2 * (c + i)], x1 = xs[2 * (c + i) + 1];
@@ -404,6 +408,13 @@ __device__ __forceinline__ void dot2_stage(const uint4* slot, const uint4* xs, i
       }
     }
   }
+}
+template <bool FP8>
+__device__ __forceinline__ void dot2_stage(const uint4* slot, const uint4* xs, int c, int n, float (&acc)[2]) {
+  if (FP8 && n == kStageChunks)
+    dot2_stage_chunks<FP8, false>(slot, xs, c, n, acc);
+  else
+    dot2_stage_chunks<FP8, true>(slot, xs, c, n, acc);
 }
 
 // matvec (below) with the weights coming through the ring the prewait started (same work split, same

@@ -14,6 +14,7 @@ from megart.profile import (
     STEP,
     Metric,
     Profile,
+    stream_wait_parts,
 )
 
 GEMM, NORM = 1, 2
@@ -288,3 +289,16 @@ def test_a_phase_mark_outside_its_body_is_refused():
     bad = _marked(ROWS[0])[:8] + (ROWS[0][6] + 1, ROWS[0][5])    # mark0 after the body's end
     with pytest.raises(ValueError, match="phase mark outside its body"):
         Profile(make_records(rows=[bad] + ROWS[1:]), NAMES)
+
+
+def test_stream_wait_counts_in_the_mark_words():
+    """A MEGART_STREAM_WAITS build keeps counts in the mark words: refused as phase marks by default, read
+    with timed_marks=False, and split by stream_wait_parts into (stage wait, dots, before the first stage,
+    stages read)."""
+    words = (7 << 32) | 5, (3 << 32) | 11      # stage wait 5 ns, dots 7 ns; before 11 ns, 3 stages
+    row = _marked(ROWS[0])[:8] + words
+    with pytest.raises(ValueError, match="phase mark outside its body"):
+        Profile(make_records(rows=[row] + ROWS[1:]), NAMES)
+    p = Profile(make_records(rows=[row] + ROWS[1:]), NAMES, timed_marks=False)
+    mine = p.records[(p.records[:, BODY_BEGIN] == row[5]) & (p.records[:, STEP] == row[7])]
+    assert stream_wait_parts(mine).tolist() == [[5, 7, 11, 3]]

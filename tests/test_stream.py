@@ -60,6 +60,25 @@ def test_the_tagged_attention_form_takes_its_static_shared_memory_from_the_ring(
         stream.ATTN_TAGGED_STATIC
 
 
+def test_stream_waits_is_a_profiled_diagnostic_apart_from_the_phase_marks():
+    """MEGART_STREAM_WAITS (the profiler's per-warp stream accounting, bench/stream_bench.py --waits) changes a
+    profiled streamed build only, its stamps take their static shared memory from the ring's reserve, and it
+    cannot share the mark words with the phase marks."""
+    def cubin(profile, **defines):
+        pk = megart.PersistentKernel(nw=4, device="cpu", profile=profile, defines={**STREAM("auto"), **defines})
+        T = pk.tensor
+        pk.task("gemv_m1", y=T(torch.zeros(64, dtype=torch.bfloat16), "y"),
+                w=T(torch.zeros(64, 128, dtype=torch.bfloat16), "w"), x=T(torch.zeros(128, dtype=torch.bfloat16), "x"),
+                tiles=4)
+        assert pk.stream_layout().slots > 0
+        return pk.compile().compiled.cubin
+    assert cubin(False, MEGART_STREAM_WAITS=1) == cubin(False)
+    assert cubin(True, MEGART_STREAM_WAITS=1) != cubin(True)
+    assert stream.static_reserve(KernelConfig(defines={"MEGART_STREAM_WAITS": 1})) == stream.STATIC_RESERVE + 8 * 16
+    with pytest.raises(megart.errors.CompileError, match="MEGART_STREAM_WAITS and MEGART_PHASE_MARKS"):
+        cubin(True, MEGART_STREAM_WAITS=1, MEGART_PHASE_MARKS=1)
+
+
 def test_stage_size():
     """Smaller stages (MEGART_STREAM_STAGE chunks per row): the same bytes in more, smaller slots; the
     kernel is told the slot size; a size the format has no stage for is named."""
