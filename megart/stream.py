@@ -19,8 +19,9 @@ from .layout import HANG_POLL
 from .registry import USER_ID_BASE
 
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
-STATIC_RESERVE = 2432          # static shared memory of the worker (descriptor slots, stream state: 2,272 B
-                               # at 24 parameter slots) and the padding to codegen.SMEM_ALIGN (< 128 B)
+STATIC_BASE = 1792             # static shared memory of the worker beside the ring's mbarriers (descriptor slots,
+                               # stream state: 1,632 B at 24 parameter slots) and the padding to codegen.SMEM_ALIGN
+BARRIER_BYTES = 16             # static, per compute warp and slot: its "full" and "empty" mbarriers
 ATTN_TAGGED_STATIC = 528       # and attention_decode's tagged form (MEGART_ATTN_TAGGED): its staged new row
 MAX_SLOTS = 8                  # past this the warps' stages already cover several us of HBM time
 DEFAULT_STAGE_CHUNKS = 128     # measured fastest on the Llama-1B step with 4 producer warps (bench/RESULTS.md)
@@ -108,12 +109,14 @@ def _forced(cfg: KernelConfig) -> int | None:
     return n
 
 
-def static_reserve(cfg: KernelConfig) -> int:
-    """The static shared memory a kernel of `cfg` may use beside the dynamic (the ring is sized against it)."""
+def static_reserve(cfg: KernelConfig, slots: int) -> int:
+    """The static shared memory a kernel of `cfg` with `slots` ring slots per warp may use beside the dynamic
+    (the ring is sized against it): the slots' mbarriers are static."""
     tagged_attn = str(cfg.defines.get("MEGART_ATTN_TAGGED", 0)).strip() not in ("0", "")
     waits = str(cfg.defines.get("MEGART_STREAM_WAITS", 0)).strip() not in ("0", "")
-    return (STATIC_RESERVE + (ATTN_TAGGED_STATIC if tagged_attn else 0)
-            + (cfg.threads // 32 * 16 if waits else 0))  # (the diagnostic's two stamps per warp)
+    warps = cfg.threads // 32
+    return (STATIC_BASE + BARRIER_BYTES * warps * slots + (ATTN_TAGGED_STATIC if tagged_attn else 0)
+            + (warps * 16 if waits else 0))  # (the diagnostic's two stamps per warp)
 
 
 def slot_bytes(stage_chunks: int) -> int:
@@ -147,8 +150,8 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
     elif cfg.min_blocks > 1:
         slots = 0               # two CTAs per SM: no room for a ring worth having
     else:
-        room = SMEM_PER_BLOCK - static_reserve(cfg) - offset
-        slots = min(MAX_SLOTS, room // (warps * slot_bytes(chunks)))
+        slots = max([s for s in range(MAX_SLOTS + 1)
+                     if offset + s * warps * slot_bytes(chunks) + static_reserve(cfg, s) <= SMEM_PER_BLOCK])
         if slots < MIN_AUTO_SLOTS:
             slots = 0
     if not slots:

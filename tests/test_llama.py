@@ -170,7 +170,7 @@ def test_full_size_graph_compiles_without_spills(name):
     assert f"#define MEGART_SMEM_ALIGN {codegen.SMEM_ALIGN}\n" in m.pk.source.text
     assert "extern __shared__ __align__(MEGART_SMEM_ALIGN) char megart_smem[];" in m.pk.source.text
     if lay.slots:
-        assert m.pk.report.smem_bytes <= stream.static_reserve(m.pk.kernel_config()), m.pk.report
+        assert m.pk.report.smem_bytes <= stream.static_reserve(m.pk.kernel_config(), lay.slots), m.pk.report
     types = {i.type.name for i in s.instances}
     if cfg.wdtype == "fp8":       # fused (the default): one call fewer per layer, no silu_mul
         fused = cfg.fp8_gate_up == "fused"

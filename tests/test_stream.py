@@ -43,7 +43,10 @@ def test_auto_depth_follows_the_shared_memory_left():
     big = stream.layout(_types("gemv_m1", "attention_decode"), KernelConfig(defines=auto | {"MEGART_STREAM_STAGE": 256}))
     assert wide.slots == 3 and big.slots == 2
     for lay, threads in ((with_attn, 256), (wide, 512), (big, 256)):
-        assert lay.offset + lay.ring_bytes(threads) <= stream.SMEM_PER_BLOCK - stream.STATIC_RESERVE
+        cfg = KernelConfig(threads=threads, defines=auto)
+        assert lay.offset + lay.ring_bytes(threads) <= stream.SMEM_PER_BLOCK - stream.static_reserve(cfg, lay.slots)
+        # each slot's two mbarriers per warp are static memory: a deeper ring leaves less room beside it
+        assert stream.static_reserve(cfg, 6) - stream.static_reserve(cfg, 5) == 16 * threads // 32
 
 
 def test_the_tagged_attention_form_takes_its_static_shared_memory_from_the_ring():
@@ -54,10 +57,10 @@ def test_the_tagged_attention_form_takes_its_static_shared_memory_from_the_ring(
     plain = stream.layout(types, KernelConfig(defines=auto))
     tagged = stream.layout(types, KernelConfig(defines=auto | {"MEGART_ATTN_TAGGED": 1}))
     assert plain.slots == tagged.slots == 5
-    assert stream.static_reserve(KernelConfig(defines={"MEGART_ATTN_TAGGED": 1})) == \
-        stream.STATIC_RESERVE + stream.ATTN_TAGGED_STATIC
-    assert tagged.offset + tagged.ring_bytes(256) <= stream.SMEM_PER_BLOCK - stream.STATIC_RESERVE - \
-        stream.ATTN_TAGGED_STATIC
+    assert stream.static_reserve(KernelConfig(defines={"MEGART_ATTN_TAGGED": 1}), 5) == \
+        stream.static_reserve(KernelConfig(), 5) + stream.ATTN_TAGGED_STATIC
+    assert tagged.offset + tagged.ring_bytes(256) <= stream.SMEM_PER_BLOCK - stream.static_reserve(
+        KernelConfig(defines={"MEGART_ATTN_TAGGED": 1}), 5)
 
 
 def test_stream_waits_is_a_profiled_diagnostic_apart_from_the_phase_marks():
@@ -74,7 +77,8 @@ def test_stream_waits_is_a_profiled_diagnostic_apart_from_the_phase_marks():
         return pk.compile().compiled.cubin
     assert cubin(False, MEGART_STREAM_WAITS=1) == cubin(False)
     assert cubin(True, MEGART_STREAM_WAITS=1) != cubin(True)
-    assert stream.static_reserve(KernelConfig(defines={"MEGART_STREAM_WAITS": 1})) == stream.STATIC_RESERVE + 8 * 16
+    assert stream.static_reserve(KernelConfig(defines={"MEGART_STREAM_WAITS": 1}), 5) == \
+        stream.static_reserve(KernelConfig(), 5) + 8 * 16
     with pytest.raises(megart.errors.CompileError, match="MEGART_STREAM_WAITS and MEGART_PHASE_MARKS"):
         cubin(True, MEGART_STREAM_WAITS=1, MEGART_PHASE_MARKS=1)
 
