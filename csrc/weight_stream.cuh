@@ -15,7 +15,7 @@
 // barriers (task bodies synchronise with cta_sync(), barrier 1); all threads meet at barrier 0 once at
 // launch start and once at the end.
 //
-// What a stage is belongs to the stream format (the dense matvec stage of tasks/dense_common.cuh: one
+// What a stage is belongs to the stream format (the dense matvec stage of tasks/dense_engines.cuh: one
 // row pair x up to 256 16-byte chunks); the generated megart_stream_open() switch asks the task type of
 // queue entry q where warp w's stages are, once, and the format issues them from then on. Python (megart/stream.py) sizes the ring and passes its
 // layout in MEGART_STREAM_SLOTS / _OFFSET / _SLOT_BYTES; these headers only static_assert it.
@@ -196,7 +196,7 @@ __device__ __forceinline__ void stream_waits_finish(unsigned long long body_begi
 // Generated after the task bodies (codegen): sets ws.cursor up for entry d from its type's plan; false when
 // the entry has no stages for compute warp `warp` (or its type has no stream).
 __device__ bool megart_stream_open(const TaskDesc& d, WarpStream& ws, int warp);
-// The stream format's (tasks/dense_common.cuh): issue the next stage of the open entry into `slot`; false
+// The stream format's (tasks/dense_engines.cuh): issue the next stage of the open entry into `slot`; false
 // when the entry has no more stages for the warp.
 __device__ bool stream_format_next(WarpStream& ws, int warp, int slot);
 

@@ -70,6 +70,7 @@ class PersistentKernel:
         self.source_overrides = options.check_overrides(source_overrides or {})
         self.defines = options.check_defines(defines or {})   # tuning macros (see codegen.env_defines)
         self.stream_declined = None   # why MEGART_STREAM_SLOTS=auto fell back to registers (compile), or None
+        self.stream_shallower = None  # the slots "auto" settled on when its first depth did not fit (compile)
         codegen.env_defines()                # a malformed MEGART_DEFINES fails here, naming itself
         self.peers = peers
         rank, world = (peers.rank, peers.world) if peers is not None else (0, 1)
@@ -109,7 +110,9 @@ class PersistentKernel:
 
     def kernel_config(self) -> codegen.KernelConfig:
         """What the generated source is specialised on (CTA size, CTAs per SM, profiling, macros)."""
-        defines = {**self.defines, "MEGART_STREAM_SLOTS": "0"} if self.stream_declined else self.defines
+        defines = self.defines
+        if self.stream_declined or self.stream_shallower is not None:
+            defines = {**defines, "MEGART_STREAM_SLOTS": "0" if self.stream_declined else str(self.stream_shallower)}
         defines = {**self._instance_macros(), **defines}
         return codegen.KernelConfig(threads=self.threads, profile=self.profiling,
                                     min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=defines,
@@ -141,11 +144,21 @@ class PersistentKernel:
         schedule = build(self.graph)
         if verify:
             _verify(schedule)
-        self.stream_declined = None
+        self.stream_declined = self.stream_shallower = None
         cfg = self.kernel_config()
         self.source = codegen.generate(self.task_types, cfg, self.source_overrides)
         self.compiled = compile_source(self.source, self.arch)
-        if self.compiled.report.spill_bytes and stream.chosen_automatically(self.task_types, cfg, self.source_overrides):
+        auto = stream.chosen_automatically(self.task_types, cfg, self.source_overrides)
+        while auto and self.compiled.report.smem_bytes + self.smem_bytes() > stream.SMEM_PER_BLOCK:
+            # "auto" sized the ring against an estimate of the static shared memory; a build whose static
+            # memory came out larger gets one slot fewer (down to the least depth auto streams with)
+            slots = self.stream_layout().slots - 1
+            if slots < stream.MIN_AUTO_SLOTS:
+                break
+            self.stream_shallower = slots
+            self.source = codegen.generate(self.task_types, self.kernel_config(), self.source_overrides)
+            self.compiled = compile_source(self.source, self.arch)
+        if self.compiled.report.spill_bytes and auto:
             # "auto" streams only a kernel that compiles without spills: the compute warps' share of the
             # registers beside the producer warpgroup (232) can spill a kernel the register engine does not
             self.stream_declined = f"the stream build spilled {self.compiled.report.spill_bytes} bytes"

@@ -9,7 +9,9 @@ from ..registry import header_constants, ptr, scalar
 from ..tensors import DTYPES, TensorRef, as_ref
 from .tiling import even_tiles, require
 
-HEADERS = ("tasks/dense_common.cuh",)   # helpers every dense body uses, emitted once per kernel
+# helpers every dense body uses, emitted once per kernel in this order: values, loads and x staging; the
+# matvec engines; row plans, epilogues and shared bodies
+HEADERS = ("tasks/dense_common.cuh", "tasks/dense_engines.cuh", "tasks/dense_bodies.cuh")
 
 
 def source(name: str) -> str:
@@ -36,7 +38,7 @@ MAX_K = 16384                  # longest x a GEMV-type body stages in shared mem
 STAGE_SMEM = SCRATCH_BYTES + 2 * MAX_K   # 33,024 B: under the 48 KiB default dynamic limit
 ALIGN_BYTES = 16               # every vector-loaded operand starts on a 16-byte boundary
 
-# Weight ring (tasks/dense_common.cuh): per warp, `slots` stages of one row pair x 256 16-byte chunks,
+# Weight ring (tasks/dense_engines.cuh): per warp, `slots` stages of one row pair x 256 16-byte chunks,
 # filled by TMA bulk copies that the prewait starts before the instance's wait. Python decides the
 # slot count (the C++ reads MEGART_DENSE_RING_SLOTS / _OFFSET) and sizes shared memory with it.
 # Off unless asked for (MEGART_DENSE_RING_SLOTS=2 or 3 at 256 threads): measured on the H200 it brings
@@ -75,7 +77,7 @@ def smem_for(cfg) -> int:
 
 
 def defines_for(cfg) -> dict:
-    """The ring's layout for tasks/dense_common.cuh (which static_asserts what it can check)."""
+    """The ring's layout for tasks/dense_engines.cuh (which static_asserts what it can check)."""
     slots = ring_slots(cfg)
     if slots <= 0:
         return {"MEGART_DENSE_RING_SLOTS": 0}

@@ -17,7 +17,7 @@ from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM
 from .shapes import check_shape
 from .tiling import even_tiles, require
 
-# GEMV types whose weights stream through the shared-memory ring (tasks/dense_common.cuh); not
+# GEMV types whose weights stream through the shared-memory ring (tasks/dense_engines.cuh); not
 # group_gemm_m1, whose rows depend on the routing, an input that exists only after its wait.
 RING = dict(prewait=True, stream=True, smem_for=smem_for, defines_for=defines_for, smem_bytes=STAGE_SMEM)  # (smem_bytes: ring off)
 

@@ -1,5 +1,5 @@
 // gate_up_silu: h[n] = silu(Wg x) * (Wu x); a group is (gate row r, up row r)
-// (helpers and the body, dense::gate_up_body: tasks/dense_common.cuh; prefetch/prewait/drain: generated from
+// (helpers and the body, dense::gate_up_body: tasks/dense_bodies.cuh; prefetch/prewait/drain: generated from
 // the declaration, dense_common.wrappers)
 template <class P>
 __device__ __forceinline__ auto plan_gate_up_silu(const P& p) {

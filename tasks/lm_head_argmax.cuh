@@ -1,5 +1,5 @@
 // lm_head_argmax: logits of vocab rows [row0, row0 + n), partial argmax
-// (helpers and the body, dense::lm_head_body: tasks/dense_common.cuh; prefetch/prewait/drain: generated from
+// (helpers and the body, dense::lm_head_body: tasks/dense_bodies.cuh; prefetch/prewait/drain: generated from
 // the declaration, dense_common.wrappers)
 template <class P>
 __device__ __forceinline__ auto plan_lm_head_argmax(const P& p) {

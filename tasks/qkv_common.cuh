@@ -4,7 +4,7 @@
 //
 // One instance = one head of w_qkv (q, k or v) restricted to the rotate-half pairs
 // [pair0, pair0 + npairs): rows pair0 + j and half + pair0 + j of the head (w points at the first).
-// The dots come from the dense matvec engine (tasks/dense_common.cuh): x staged in shared memory (with
+// The dots come from the dense matvec engine (tasks/dense_engines.cuh): x staged in shared memory (with
 // the fused RMSNorm, rounded to bf16 like an unfused rmsnorm task's output), one warp per row pair
 // (j, half + j), so the weights can come through the launch-wide weight stream like any dense GEMV's.
 // The epilogue (one thread per pair) applies the optional per-head RMSNorm and RoPE in fp32 and rounds to bf16.

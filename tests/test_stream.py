@@ -83,6 +83,18 @@ def test_stream_waits_is_a_profiled_diagnostic_apart_from_the_phase_marks():
         cubin(True, MEGART_STREAM_WAITS=1, MEGART_PHASE_MARKS=1)
 
 
+def test_auto_takes_a_slot_less_when_the_static_memory_outgrows_its_estimate():
+    """With attention's K/V ring off, the Llama-1B kernel's static shared memory is larger than the estimate
+    "auto" sizes the ring against: the 6-slot build does not fit a CTA, so compile() builds 5 slots, and the
+    kernel fits."""
+    from megart.models import llama
+    m = llama.LlamaModel(llama.config("1b"), device="cpu", init="empty", nw=132, sm_count=132,
+                         defines={"MEGART_ATTN_RING_BYTES": 0})
+    assert m.pk.stream_shallower == 5 and m.pk.stream_layout().slots == 5 and m.pk.stream_declined is None
+    assert m.pk.report.smem_bytes + m.pk.smem_bytes() <= stream.SMEM_PER_BLOCK
+    assert "#define MEGART_STREAM_SLOTS 5" in m.pk.source.text
+
+
 def test_stage_size():
     """Smaller stages (MEGART_STREAM_STAGE chunks per row): the same bytes in more, smaller slots; the
     kernel is told the slot size; a size the format has no stage for is named."""

@@ -514,14 +514,15 @@ def test_bad_shapes_are_refused():
 
 def test_shared_helpers_are_emitted_once():
     """The attention bodies share tasks/attention_common.cuh, declared once and emitted once per kernel
-    (qkv_rope_append also runs on the dense matvec engine: tasks/dense_common.cuh, once too; its fp8 form
+    (qkv_rope_append also runs on the dense matvec engine: tasks/dense_*.cuh, once too; its fp8 form
     shares its body, tasks/qkv_common.cuh, once with both in the kernel)."""
     from megart import codegen, registry
     types = [registry.get(n) for n in ("qkv_rope_append", "qkv_rope_append_fp8", "attention_decode",
                                        "attention_merge")]
     assert all(t.headers[0] == "tasks/attention_common.cuh" for t in types)
     assert types[0].headers == types[1].headers == (
-        "tasks/attention_common.cuh", "tasks/dense_common.cuh", "tasks/qkv_common.cuh")
+        "tasks/attention_common.cuh", "tasks/dense_common.cuh", "tasks/dense_engines.cuh", "tasks/dense_bodies.cuh",
+        "tasks/qkv_common.cuh")
     src = codegen.generate(types, codegen.KernelConfig()).text
     assert src.count("namespace megart_attn {\n#ifdef __CUDA_ARCH__\n// 16 bytes of a weight") == 1
     assert src.count("constexpr int kQkvMaxD = 8192;") == 1       # its generated constants, once too
