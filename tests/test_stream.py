@@ -10,7 +10,7 @@ from megart.config import KernelConfig
 from megart.errors import ConfigError, GraphError, ResidencyError
 from megart.geometry import dense as geo
 from megart.emulate import hostsim as dense_hostsim
-from test_tasks_dense import STREAM, _broken
+from test_dense_engines import STREAM, _broken
 
 DENSE = ("gemv_m1", "gemv_m1_fp8", "gate_up_silu", "lm_head_argmax")
 

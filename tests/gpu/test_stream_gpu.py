@@ -7,7 +7,7 @@ import torch
 
 import megart
 from megart.geometry import dense as geo
-from test_tasks_dense import _broken
+from test_dense_engines import _broken
 
 pytestmark = pytest.mark.gpu
 
