@@ -142,7 +142,8 @@ __device__ __noinline__ void raise_hang(long long* ctrl, const WaitSite& s, int 
 
 // MEGART_DIAG_NO_WAIT (a measurement aid, never a default): bit 0 makes every event wait pass at once, bit 1
 // every tagged poll. The step then computes garbage, but streams the same bytes through the same instances,
-// so its time is what the partition and the bodies cost without the dependency chain.
+// so its time is what the partition and the bodies cost without the dependency chain. Bit 2 keeps the chain
+// and drops attention's K/V reads instead (tasks/attention_decode.cuh).
 #ifndef MEGART_DIAG_NO_WAIT
 #define MEGART_DIAG_NO_WAIT 0
 #endif

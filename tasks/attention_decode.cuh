@@ -28,6 +28,14 @@ namespace megart_attn {
 #define MEGART_ATTN_RING_BYTES 0
 #endif
 constexpr int kAttnRingBytes = MEGART_ATTN_RING_BYTES;
+// MEGART_DIAG_NO_WAIT bit 2 (a timing diagnostic, device builds only; csrc/runtime.cuh): attention reads no
+// K/V from the cache (the ring copies nothing, the register path takes zeros). The step computes garbage; its
+// time against the default says what attention's K/V reads cost the step.
+#ifdef __CUDA_ARCH__
+constexpr bool kDiagNoKv = (MEGART_DIAG_NO_WAIT & 4) != 0;
+#else
+constexpr bool kDiagNoKv = false;
+#endif
 
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ unsigned shared_addr(char* smem) { return (unsigned)__cvta_generic_to_shared(smem); }
@@ -274,7 +282,7 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   const unsigned ring = shared_addr(smem) + tid * 16;
   const int nst = (hi - lo + BATCH - 1) / BATCH;  // stages (0: empty chunk)
   auto issue = [&](int j) {
-    if (j < nst) {
+    if (!kDiagNoKv && j < nst) {
       const unsigned d = ring + ((unsigned)j % RS) * (RU * 2 * VSTRIDE);
 #pragma unroll
       for (int u = 0; u < RU; ++u) {
@@ -363,7 +371,7 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
         if (t == tpos) {
           kv[u] = new_row_kvec<VEC>(0, sub);
           vv[u] = new_row_kvec<VEC>(1, sub);
-        } else if (t < hi) {
+        } else if (!kDiagNoKv && t < hi) {
           kv[u] = ld_kvec<VEC>(kb + (long long)t * HD);
           vv[u] = ld_kvec<VEC>(vb + (long long)t * HD);
         } else {
