@@ -26,8 +26,13 @@ def caller_macros(cfg: KernelConfig) -> dict:
     return {**env_defines(), **cfg.defines}
 
 
+def macro_on(cfg: KernelConfig, name: str) -> bool:
+    """Whether the caller set macro `name` (MEGART_DEFINES or the kernel's defines) to anything but 0."""
+    return str(caller_macros(cfg).get(name, "0")).strip() not in ("0", "")
+
+
 def stream_requested(cfg: KernelConfig) -> bool:
     """Whether the launch-wide weight stream is wanted (megart/stream.py sizes it, or finds no room for
     it): MEGART_STREAM_SLOTS "auto" or N > 0. Unset or 0: the register engine (a PersistentKernel's
     default; the decode models ask for "auto", see megart/models/llama.py)."""
-    return str(caller_macros(cfg).get("MEGART_STREAM_SLOTS", "0")).strip() not in ("0", "")
+    return macro_on(cfg, "MEGART_STREAM_SLOTS")

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import torch
 
-from . import codegen, occupancy, options, registry, stream
+from . import codegen, config, occupancy, options, registry, stream
 from .compile import Compiled, compile_source
 from .emulate import emulate as _emulate
 from .errors import DeviceError, GraphError, HangError
@@ -291,5 +291,5 @@ class PersistentKernel:
         self.check()
         recs = self._rt.spans.view(-1, SPAN_WORDS).cpu().numpy()
         overflow = int(self._rt.ctrl[CTRL["span_overflow"]].item())
-        waits = str(self.defines.get("MEGART_STREAM_WAITS", 0)).strip() not in ("0", "")
+        waits = config.macro_on(self.kernel_config(), "MEGART_STREAM_WAITS")   # (mark words hold counts)
         return Profile(recs, registry.names_by_id(), overflow=overflow, nw=self.nw, timed_marks=not waits)

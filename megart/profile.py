@@ -48,6 +48,7 @@ def phase_parts(rows: np.ndarray) -> np.ndarray:
     return np.stack([rows[:, MARK0] - rows[:, BODY_BEGIN], rows[:, MARK1] - rows[:, MARK0],
                      rows[:, BODY_END] - rows[:, MARK1]], axis=1)
 
+
 def stream_wait_parts(rows: np.ndarray) -> np.ndarray:
     """(n, 4) per record of a MEGART_STREAM_WAITS build (csrc/runtime.cuh), ns summed over the compute
     warps: waiting for weight stages to land, reading them (the dots), from the body's begin to the first

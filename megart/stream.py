@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import KernelConfig, caller_macros, stream_requested
+from .config import KernelConfig, caller_macros, macro_on, stream_requested
 from .errors import GraphError
 from .layout import HANG_POLL
 from .registry import USER_ID_BASE
@@ -112,8 +112,7 @@ def _forced(cfg: KernelConfig) -> int | None:
 def static_reserve(cfg: KernelConfig, slots: int) -> int:
     """The static shared memory a kernel of `cfg` with `slots` ring slots per warp may use beside the dynamic
     (the ring is sized against it): the slots' mbarriers are static."""
-    tagged_attn = str(cfg.defines.get("MEGART_ATTN_TAGGED", 0)).strip() not in ("0", "")
-    waits = str(cfg.defines.get("MEGART_STREAM_WAITS", 0)).strip() not in ("0", "")
+    tagged_attn, waits = macro_on(cfg, "MEGART_ATTN_TAGGED"), macro_on(cfg, "MEGART_STREAM_WAITS")
     warps = cfg.threads // 32
     return (STATIC_BASE + BARRIER_BYTES * warps * slots + (ATTN_TAGGED_STATIC if tagged_attn else 0)
             + (warps * 16 if waits else 0))  # (the diagnostic's two stamps per warp)

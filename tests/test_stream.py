@@ -63,7 +63,7 @@ def test_the_tagged_attention_form_takes_its_static_shared_memory_from_the_ring(
         KernelConfig(defines={"MEGART_ATTN_TAGGED": 1}), 5)
 
 
-def test_stream_waits_is_a_profiled_diagnostic_apart_from_the_phase_marks():
+def test_stream_waits_is_a_profiled_diagnostic_apart_from_the_phase_marks(monkeypatch):
     """MEGART_STREAM_WAITS (the profiler's per-warp stream accounting, bench/stream_bench.py --waits) changes a
     profiled streamed build only, its stamps take their static shared memory from the ring's reserve, and it
     cannot share the mark words with the phase marks."""
@@ -77,8 +77,11 @@ def test_stream_waits_is_a_profiled_diagnostic_apart_from_the_phase_marks():
         return pk.compile().compiled.cubin
     assert cubin(False, MEGART_STREAM_WAITS=1) == cubin(False)
     assert cubin(True, MEGART_STREAM_WAITS=1) != cubin(True)
-    assert stream.static_reserve(KernelConfig(defines={"MEGART_STREAM_WAITS": 1}), 5) == \
-        stream.static_reserve(KernelConfig(), 5) + 8 * 16
+    waits = stream.static_reserve(KernelConfig(defines={"MEGART_STREAM_WAITS": 1}), 5)
+    assert waits == stream.static_reserve(KernelConfig(), 5) + 8 * 16
+    with monkeypatch.context() as env:   # asked for through MEGART_DEFINES, the same reserve
+        env.setenv("MEGART_DEFINES", "MEGART_STREAM_WAITS=1")
+        assert stream.static_reserve(KernelConfig(), 5) == waits
     with pytest.raises(megart.errors.CompileError, match="MEGART_STREAM_WAITS and MEGART_PHASE_MARKS"):
         cubin(True, MEGART_STREAM_WAITS=1, MEGART_PHASE_MARKS=1)
 
