@@ -77,14 +77,14 @@ def stream_waits(m, prof) -> list:
     kinds = np.array([m.call_kind(labels[c]) for c in ci])
     parts = stream_wait_parts(rec)
     body = rec[:, BODY_END] - rec[:, BODY_BEGIN]
-    n_steps, warps = max(1, len(prof.steps)), m.pk.threads // 32
+    n_steps = max(1, len(prof.steps))
+    per = n_steps * m.nw * (m.pk.threads // 32) * 1e3   # ns summed -> us per step for the mean warp of the mean worker
     out = []
     for kind in dict.fromkeys(kinds):
         sel = kinds == kind
         wait, read, before, stages = parts[sel].sum(axis=0)
         if stages == 0:
             continue
-        per = n_steps * m.nw * warps * 1e3   # -> us per step for the mean warp of the mean worker
         b = body[sel].sum() / n_steps / m.nw / 1e3
         out.append(dict(kind=str(kind), stages=int(stages) / n_steps, body_per_worker_us=b,
                         before_first_us=before / per, stage_wait_us=wait / per, read_us=read / per,

@@ -22,8 +22,9 @@ __shared__ unsigned long long s_span_t[2];  // the instance's wait start and bod
 // Stream-wait accounting (profiled builds with MEGART_STREAM_WAITS=1, a diagnostic): the two mark words
 // carry, instead of times, where the compute warps' time went in a streamed instance (csrc/weight_stream.cuh,
 // lane 0 of each warp, ns summed over warps): word 0 the time waiting for weight stages to land, plus (the
-// time reading them: dots, from a stage's landing to its release) << 32; word 1 the time from the body's
-// begin to each warp's first stage request (x staging and the input's wait), plus (stages read) << 32.
+// time reading them: dots, from a stage's landing to its release) << kMarkHighShift; word 1 the time from the
+// body's begin to each warp's first stage request (x staging and the input's wait), plus (stages read) <<
+// kMarkHighShift (megart/layout.py MARK_HIGH_SHIFT).
 #if defined(MEGART_PROFILE) && defined(MEGART_STREAM_WAITS) && MEGART_STREAM_WAITS
 #if defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS
 #error "MEGART_STREAM_WAITS and MEGART_PHASE_MARKS both use the span records' mark words: set one"

@@ -505,7 +505,7 @@ __device__ __forceinline__ const char* stream_acquire(int warp) {
 __device__ __forceinline__ void stream_release(int warp) {
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
   if constexpr (kStreamWaits)
-    if ((threadIdx.x & 31) == 0) atomicAdd(&s_span_mark[0], (globaltimer() - s_sw_got[warp]) << 32);
+    if ((threadIdx.x & 31) == 0) atomicAdd(&s_span_mark[0], (globaltimer() - s_sw_got[warp]) << kMarkHighShift);
 #endif
   __syncwarp();
   if (kEmptyArrivals == 32u) {
@@ -518,7 +518,7 @@ __device__ __forceinline__ void stream_release(int warp) {
     const unsigned j = ws.consumed;
     if (kFreeByBarrier && kEmptyArrivals == 1u) mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-    if constexpr (kStreamWaits) atomicAdd(&s_span_mark[1], 1ull << 32);  // (a stage read)
+    if constexpr (kStreamWaits) atomicAdd(&s_span_mark[1], 1ull << kMarkHighShift);  // (a stage read)
 #endif
     // The producer learns of the free slot from the barrier; the count is then the warp's own (its lanes read
     // it after the __syncwarp below), and a release store would put a CTA fence (MEMBAR) on every stage.

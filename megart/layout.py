@@ -96,6 +96,9 @@ def peer_wait_word(event: int) -> int:
 SPAN_FIELDS = ("type_id", "instance", "worker", "smid", "wait_start", "body_begin", "body_end", "step",
                "mark0", "mark1")   # mark0/1: the body's phase marks (megart::span_mark; body_begin if unmarked)
 SPAN_WORDS = len(SPAN_FIELDS)
+# MEGART_STREAM_WAITS builds put two counters in each mark word instead: the second at this bit
+# (csrc/weight_stream.cuh adds them, megart.profile.stream_wait_parts splits them)
+MARK_HIGH_SHIFT = 32
 SPAN = {name: i for i, name in enumerate(SPAN_FIELDS)}
 
 
@@ -112,6 +115,7 @@ def layout_header() -> str:
         f"constexpr int kDescWords = {DESC_WORDS};",
         f"constexpr int kFlagSignalFirst = {FLAG_SIGNAL_FIRST};",
         f"constexpr int kSpanWords = {SPAN_WORDS};",
+        f"constexpr int kMarkHighShift = {MARK_HIGH_SHIFT};",
         f"constexpr int kCtrlWords = {CTRL_WORDS};",
         f"constexpr int kPeerRankShift = {PEER_RANK_SHIFT};",
         f"constexpr unsigned kTagMark = {TAG_MARK:#x}u;",

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence, Union
 import numpy as np
 
 # The record layout is declared once, in megart.layout (the device header is generated from it).
-from .layout import SPAN_FIELDS, SPAN_WORDS  # noqa: E402
+from .layout import MARK_HIGH_SHIFT, SPAN_FIELDS, SPAN_WORDS  # noqa: E402
 
 SPAN_COL: dict[str, int] = {name: i for i, name in enumerate(SPAN_FIELDS)}
 
@@ -53,9 +53,9 @@ def stream_wait_parts(rows: np.ndarray) -> np.ndarray:
     """(n, 4) per record of a MEGART_STREAM_WAITS build (csrc/runtime.cuh), ns summed over the compute
     warps: waiting for weight stages to land, reading them (the dots), from the body's begin to the first
     stage request (x staging, the input's wait); and the stages read."""
-    low = (1 << 32) - 1
+    low = (1 << MARK_HIGH_SHIFT) - 1
     m0, m1 = rows[:, MARK0].astype(np.int64), rows[:, MARK1].astype(np.int64)
-    return np.stack([m0 & low, m0 >> 32, m1 & low, m1 >> 32], axis=1)
+    return np.stack([m0 & low, m0 >> MARK_HIGH_SHIFT, m1 & low, m1 >> MARK_HIGH_SHIFT], axis=1)
 
 
 _METRICS = ("slow_cta", "wall", "sum_cta", "wait")

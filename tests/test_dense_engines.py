@@ -115,6 +115,15 @@ def _broken(tmp_path, old: str, new: str) -> dict:
     return {key: str(p)}
 
 
+def _one_gemv(src: dict, defines: dict, n: int = 16, k: int = 64) -> megart.PersistentKernel:
+    """One gemv_m1 call on one worker, compiled with the sources in `src` overridden, for the host simulation."""
+    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines=defines)
+    w, x = geo.dense_m1(n, k, seed=1)
+    pk.task("gemv_m1", y=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
+            x=pk.tensor(x, "x"))
+    return pk.compile()
+
+
 def test_hostsim_catches_a_missing_syncthreads(tmp_path):
     """Dropping the barrier after x staging makes threads read unstaged (NaN-filled) shared memory."""
     src = _broken(tmp_path, "      xs[c] = pack8(f);\n    }\n  }\n  __syncthreads();\n",
@@ -153,13 +162,8 @@ def test_hostsim_catches_a_divergent_barrier(tmp_path, engine):
         src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5;\n  if (groups >= kWarps) {",
                       "  const int warp = threadIdx.x >> 5;\n  if (threadIdx.x == 3) return;\n  if (groups >= kWarps) {")
         defines = REGISTERS
-    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines=defines)
-    w, x = geo.dense_m1(16, 64, seed=1)
-    pk.task("gemv_m1", y=pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
-            x=pk.tensor(x, "x"))
-    pk.compile()
     with pytest.raises(dense_hostsim.HostSimError, match="barrier"):
-        dense_hostsim.run(pk)
+        dense_hostsim.run(_one_gemv(src, defines))
 
 
 # ---- the weight ring and the weight stream (TMA-fed shared-memory stages) against the register engine ----
@@ -241,13 +245,8 @@ def test_hostsim_catches_a_ring_wait_that_would_never_return(tmp_path):
     hang) is reported, not silently passed because the host copies land at once."""
     src = _broken(tmp_path, "mbar_wait(ring_bar(smem, warp, slot), (unsigned)((j / kRingSlots) & 1));",
                   "mbar_wait(ring_bar(smem, warp, slot), (unsigned)(((j / kRingSlots) + 1) & 1));")
-    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines=RING(2))
-    w, x = geo.dense_m1(16, 64, seed=1)
-    pk.task("gemv_m1", y=pk.tensor(torch.zeros(16, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
-            x=pk.tensor(x, "x"))
-    pk.compile()
     with pytest.raises(dense_hostsim.HostSimError, match="never completes"):
-        dense_hostsim.run(pk)
+        dense_hostsim.run(_one_gemv(src, RING(2)))
 
 
 def test_prewait_and_drain_are_dispatched_for_the_ring_types_only():

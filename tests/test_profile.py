@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from megart.layout import MARK_HIGH_SHIFT
 from megart.profile import (
     BODY_BEGIN,
     BODY_END,
@@ -295,7 +296,8 @@ def test_stream_wait_counts_in_the_mark_words():
     """A MEGART_STREAM_WAITS build keeps counts in the mark words: refused as phase marks by default, read
     with timed_marks=False, and split by stream_wait_parts into (stage wait, dots, before the first stage,
     stages read)."""
-    words = (7 << 32) | 5, (3 << 32) | 11      # stage wait 5 ns, dots 7 ns; before 11 ns, 3 stages
+    # stage wait 5 ns, dots 7 ns; before the first stage 11 ns, 3 stages
+    words = (7 << MARK_HIGH_SHIFT) | 5, (3 << MARK_HIGH_SHIFT) | 11
     row = _marked(ROWS[0])[:8] + words
     with pytest.raises(ValueError, match="phase mark outside its body"):
         Profile(make_records(rows=[row] + ROWS[1:]), NAMES)

@@ -10,7 +10,7 @@ from megart.config import KernelConfig
 from megart.errors import ConfigError, GraphError, ResidencyError
 from megart.geometry import dense as geo
 from megart.emulate import hostsim as dense_hostsim
-from test_dense_engines import STREAM, _broken
+from test_dense_engines import STREAM, _broken, _one_gemv
 
 DENSE = ("gemv_m1", "gemv_m1_fp8", "gate_up_silu", "lm_head_argmax")
 
@@ -193,20 +193,11 @@ def test_hang_codes_name_the_ring_slot():
     assert stream.hang_site(-500) == "?"
 
 
-def _one_gemv(src, n=300, k=64):
-    pk = megart.PersistentKernel(nw=1, device="cpu", source_overrides=src, defines=STREAM(2))
-    w, x = geo.dense_m1(n, k, seed=1)
-    pk.task("gemv_m1", y=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"),
-            x=pk.tensor(x, "x"))
-    pk.compile()
-    return pk
-
-
 def test_hostsim_catches_a_producer_that_skips_stages(tmp_path):
     """The producer issues only each warp's first row pair; the consumers then wait on a phase that never
     completes (a hang on the device): reported, not hung and not silently read."""
     pk = _one_gemv(_broken(tmp_path, "  if (!st.live) return false;\n  const long long off",
-                           "  if (!st.live || st.k > 0) return false;\n  const long long off"))
+                           "  if (!st.live || st.k > 0) return false;\n  const long long off"), STREAM(2), n=300)
     with pytest.raises(dense_hostsim.HostSimError, match="never completes"):
         dense_hostsim.run(pk)
 
@@ -214,7 +205,8 @@ def test_hostsim_catches_a_producer_that_skips_stages(tmp_path):
 def test_hostsim_catches_stages_never_read(tmp_path):
     """The consumers read only their first row pair: the stages issued for the rest are reported."""
     pk = _one_gemv(_broken(tmp_path, "      stream_release(warp);\n      st.next();",
-                           "      stream_release(warp);\n      st.next();\n      if (st.k > 0) st.live = false;"))
+                           "      stream_release(warp);\n      st.next();\n      if (st.k > 0) st.live = false;"),
+                   STREAM(2), n=300)
     with pytest.raises(dense_hostsim.HostSimError, match="never read"):
         dense_hostsim.run(pk)
 

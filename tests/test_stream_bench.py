@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from megart.layout import MARK_HIGH_SHIFT
 from megart.profile import SPAN_COL, SPAN_WORDS, Profile
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "stream_bench.py"
@@ -27,7 +28,7 @@ def _record(instance, worker, begin_ns, body_ns, step, wait, read, before, stage
     r[SPAN_COL["type_id"]], r[SPAN_COL["instance"]], r[SPAN_COL["worker"]] = 1, instance, worker
     r[SPAN_COL["wait_start"]] = r[SPAN_COL["body_begin"]] = begin_ns
     r[SPAN_COL["body_end"]], r[SPAN_COL["step"]] = begin_ns + body_ns, step
-    r[SPAN_COL["mark0"]], r[SPAN_COL["mark1"]] = wait | (read << 32), before | (stages << 32)
+    r[SPAN_COL["mark0"]], r[SPAN_COL["mark1"]] = wait | (read << MARK_HIGH_SHIFT), before | (stages << MARK_HIGH_SHIFT)
     return r
 
 
