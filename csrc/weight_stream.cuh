@@ -477,10 +477,23 @@ __device__ __forceinline__ void stream_note(int queue_pos, int type, int instanc
   s_stream.instance = instance;
 }
 
-// Compute warp side, all 32 lanes: the warp's next stage, once it has landed. After an abort the bytes may
+// The warp's count of stages read (launch-wide) lives in its WarpStream between two matvecs and in a register
+// of every lane during one (stream_read_begin / stream_read_end around the stages; j below): with a producer
+// warp and every lane arriving on the "empty" barrier, nothing else reads it meanwhile, so a stage costs no
+// shared-memory count and no __syncwarp. Otherwise (inline production, the host simulation, one arrive)
+// stream_release keeps the shared count per stage as well.
+constexpr bool kCountInRegister = kProducerWarp && kFreeByBarrier && kEmptyArrivals == 32u;
+__device__ __forceinline__ unsigned stream_read_begin(int warp) { return s_stream.warp[warp].consumed; }
+__device__ __forceinline__ void stream_read_end(int warp, unsigned j) {
+  if constexpr (kCountInRegister) {
+    if ((threadIdx.x & 31) == 0) s_stream.warp[warp].consumed = j;
+    __syncwarp();
+  }
+}
+
+// Compute warp side, all 32 lanes: the warp's stage j, once it has landed. After an abort the bytes may
 // be stale; the body runs on and the worker leaves at its next wait.
-__device__ __forceinline__ const char* stream_acquire(int warp) {
-  const unsigned j = s_stream.warp[warp].consumed;
+__device__ __forceinline__ const char* stream_acquire(int warp, unsigned j) {
   const int slot = (int)(j % kStreamSlots);
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
   if constexpr (kStreamWaits) {  // (lane 0 times the wait for the stage; stream_release the read)
@@ -499,27 +512,30 @@ __device__ __forceinline__ const char* stream_acquire(int warp) {
   return stream_slot(warp, slot);
 }
 
-// The warp has read its stage: lane 0 frees the slot for the producer (the mbarrier arrive releases the
-// warp's reads, which __syncwarp ordered before it) and counts the stage; with inline production it
-// also issues the next stages here.
-__device__ __forceinline__ void stream_release(int warp) {
+// The warp has read its stage j: every lane arrives on the slot's "empty" barrier (each arrive releases that
+// lane's own reads), or lane 0 after __syncwarp; the shared count advances unless it is in a register (above);
+// with inline production lane 0 also issues the next stages here.
+__device__ __forceinline__ void stream_release(int warp, unsigned j) {
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  if constexpr (kStreamWaits)
-    if ((threadIdx.x & 31) == 0) atomicAdd(&s_span_mark[0], (globaltimer() - s_sw_got[warp]) << kMarkHighShift);
+  if constexpr (kStreamWaits) {
+    if ((threadIdx.x & 31) == 0) {
+      atomicAdd(&s_span_mark[0], (globaltimer() - s_sw_got[warp]) << kMarkHighShift);
+      atomicAdd(&s_span_mark[1], 1ull << kMarkHighShift);  // (a stage read)
+    }
+  }
 #endif
+  if constexpr (kCountInRegister) {
+    mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
+    return;
+  }
   __syncwarp();
   if (kEmptyArrivals == 32u) {
-    const unsigned j = s_stream.warp[warp].consumed;
     mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
-    __syncwarp();  // every lane has read the count and arrived before lane 0 advances it
+    __syncwarp();  // every lane has arrived before lane 0 advances the count
   }
-  if ((threadIdx.x & 31) == 0) {
+  if ((threadIdx.x & 31) == 0) {  // (j is the shared count here: it advances per stage in these forms)
     WarpStream& ws = s_stream.warp[warp];
-    const unsigned j = ws.consumed;
     if (kFreeByBarrier && kEmptyArrivals == 1u) mbar_arrive(stream_empty(warp, (int)(j % kStreamSlots)));
-#if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-    if constexpr (kStreamWaits) atomicAdd(&s_span_mark[1], 1ull << kMarkHighShift);  // (a stage read)
-#endif
     // The producer learns of the free slot from the barrier; the count is then the warp's own (its lanes read
     // it after the __syncwarp below), and a release store would put a CTA fence (MEMBAR) on every stage.
     if (kFreeByBarrier)

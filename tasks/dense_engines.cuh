@@ -375,16 +375,19 @@ template <bool FP8, class Epi>
 __device__ __forceinline__ void matvec_stream(int groups, int kc, const uint4* xs, float* red, Epi epi) {
   const int warp = threadIdx.x >> 5;
   StageCursor st(groups, kc, warp);
+  unsigned j = stream_read_begin(warp);  // (the warp's stages read so far: its next stage's number)
   auto consume_segment = [&](float (&acc)[2]) {
     const int k = st.k;
     while (st.live && st.k == k) {
-      const uint4* slot = reinterpret_cast<const uint4*>(stream_acquire(warp));
+      const uint4* slot = reinterpret_cast<const uint4*>(stream_acquire(warp, j));
       dot2_stage<FP8>(slot, xs, st.c, min(kStageChunks, st.s.c1 - st.c), acc);
-      stream_release(warp);
+      stream_release(warp, j);
+      ++j;
       st.next();
     }
   };
   walk_segments(st, groups, red, epi, consume_segment);
+  stream_read_end(warp, j);
 }
 #endif  // MEGART_STREAM_SLOTS > 0
 
