@@ -15,9 +15,11 @@
 // barriers (task bodies synchronise with cta_sync(), barrier 1); all threads meet at barrier 0 once at
 // launch start and once at the end.
 //
-// What a stage is belongs to the stream format (the dense matvec stage of tasks/dense_engines.cuh: one
-// row pair x up to 256 16-byte chunks); the generated megart_stream_open() switch asks the task type of
-// queue entry q where warp w's stages are, once, and the format issues them from then on. Python (megart/stream.py) sizes the ring and passes its
+// What a stage is belongs to the stream format: the dense matvec stage of tasks/dense_engines.cuh (one
+// row pair x up to 256 16-byte chunks), or attention's block of K/V rows (tasks/attention_decode.cuh). The
+// generated megart_stream_open() switch asks the task type of queue entry q where warp w's stages are,
+// once, and sets the format that issues them from then on (the generated stream_format_next() switch).
+// Python (megart/stream.py) sizes the ring and passes its
 // layout in MEGART_STREAM_SLOTS / _OFFSET / _SLOT_BYTES; these headers only static_assert it.
 #pragma once
 namespace megart {
@@ -128,10 +130,13 @@ constexpr int kStreamWarps = MEGART_THREADS / 32;
 struct WarpStream {
   int q;          // queue entry (global descriptor index) whose stages are being issued
   int fresh;      // 1: `cursor` not yet set up for entry q
+  int format;     // the open entry's stream format (codegen numbers them: STREAM_FORMATS)
   unsigned issued;    // stages issued since the launch began (slot = n % kStreamSlots)
   unsigned consumed;  // stages warp w has read (written by the warp; read at the end)
   unsigned long long cursor[9];  // the stream format's state for entry q (opaque here): where the
                                  // warp is in it and what its rows are, so no stage re-reads descriptors
+  const int* pos_at;  // attention's K/V: the pos tensor this lane read this step (null: none yet), and its value
+  int pos;
 };
 
 #if MEGART_STREAM_SLOTS > 0
@@ -167,6 +172,7 @@ struct StreamShared {
   int worker, queue_pos, type, instance;  // the instance running now (for a hang record)
   long long* ctrl;
   long long watchdog_ns;
+  long long gen;  // this launch's step (the worker loop's generation; 0 in the host simulation)
   WarpStream warp[kStreamWarps];
 };
 __shared__ StreamShared s_stream;
@@ -193,11 +199,13 @@ __device__ __forceinline__ void stream_waits_finish(unsigned long long body_begi
 #endif
 }
 
-// Generated after the task bodies (codegen): sets ws.cursor up for entry d from its type's plan; false when
-// the entry has no stages for compute warp `warp` (or its type has no stream).
-__device__ bool megart_stream_open(const TaskDesc& d, WarpStream& ws, int warp);
-// The stream format's (tasks/dense_engines.cuh): issue the next stage of the open entry into `slot`; false
-// when the entry has no more stages for the warp.
+// Generated after the task bodies (codegen): sets ws.cursor and ws.format up for entry d from its type's
+// plan. Returns kOpenStages, kOpenNone (no stages for compute warp `warp`, or its type has no stream) or
+// kOpenLater (where the stages are is not known yet: attention's chunk needs this step's pos).
+enum : int { kOpenLater = -1, kOpenNone = 0, kOpenStages = 1 };
+__device__ int megart_stream_open(const TaskDesc& d, WarpStream& ws, int warp);
+// Generated too, one case per format: issue the next stage of the open entry into `slot`; false when the
+// entry has no more stages for the warp.
 __device__ bool stream_format_next(WarpStream& ws, int warp, int slot);
 
 __device__ __forceinline__ unsigned long long* stream_full(int warp, int slot) {
@@ -307,13 +315,17 @@ __device__ __forceinline__ bool stream_inflight_ok(const WarpStream& ws, int w) 
 }
 
 // One producer step for warp w: issue its next stage into the next slot, or step over an entry with no
-// (more) stages for it. The caller has made sure the slot is free. Returns false at the end of the queue.
-__device__ __forceinline__ bool stream_step(WarpStream& ws, int warp) {
-  if (ws.q >= s_stream.q1) return false;
+// (more) stages for it. The caller has made sure the slot is free. Returns kStepMoved, kStepLater (the
+// entry cannot open yet: try again) or kStepEnd (the end of the queue).
+enum : int { kStepEnd = 0, kStepMoved = 1, kStepLater = 2 };
+__device__ __forceinline__ int stream_step(WarpStream& ws, int warp) {
+  if (ws.q >= s_stream.q1) return kStepEnd;
   if (ws.fresh) {  // the only descriptor read: once per (warp, entry)
-    if (!megart_stream_open(s_stream.descs[ws.q], ws, warp)) {
+    const int open = megart_stream_open(s_stream.descs[ws.q], ws, warp);
+    if (open == kOpenLater) return kStepLater;
+    if (open == kOpenNone) {
       ++ws.q;
-      return true;
+      return kStepMoved;
     }
     ws.fresh = 0;
   }
@@ -323,7 +335,7 @@ __device__ __forceinline__ bool stream_step(WarpStream& ws, int warp) {
     ++ws.q;
     ws.fresh = 1;
   }
-  return true;
+  return kStepMoved;
 }
 
 // Inline production (no producer warp): lane 0 of warp w runs the producer's steps as far ahead as the
@@ -335,7 +347,7 @@ __device__ __forceinline__ void stream_inline_produce(WarpStream& ws, int warp) 
     if (use > 0 && !mbar_test(stream_empty(warp, (int)(ws.issued % kStreamSlots)), (use - 1) & 1u))
       megart_host_fault("weight stream: the producer reuses a slot whose stage was never read");
 #endif
-    stream_step(ws, warp);
+    if (stream_step(ws, warp) == kStepLater) return;  // (the warp's next release or acquire tries again)
   }
 }
 
@@ -351,7 +363,13 @@ __device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int 
     s_stream.worker = worker;
     s_stream.ctrl = ctrl;
     s_stream.watchdog_ns = watchdog_ns;
+#ifdef __CUDA_ARCH__
+    s_stream.gen = ld_relaxed(ctrl + kCtrl_step) + 1;  // (as the worker loop's generation)
+#else
+    s_stream.gen = 0;  // (the host simulation's step tag is s_poll's)
+#endif
     s_stream.queue_pos = s_stream.type = s_stream.instance = -1;
+
   }
   cta_sync_all();
   const int lane = threadIdx.x & 31;
@@ -367,6 +385,8 @@ __device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int 
     WarpStream& ws = s_stream.warp[w];
     ws.q = q0;
     ws.fresh = 1;
+    ws.format = 0;
+    ws.pos_at = nullptr;
     ws.issued = ws.consumed = 0;
     if (!kProducerWarp) stream_inline_produce(ws, w);
   }
@@ -405,7 +425,7 @@ __device__ __forceinline__ void stream_produce() {
       live = true;
       const unsigned use = ws->issued / kStreamSlots;
       if ((use == 0 || stream_slot_free(*ws, w)) && stream_inflight_ok(*ws, w))
-        issued = stream_step(*ws, w);
+        issued = stream_step(*ws, w) == kStepMoved;
     }
     if (!__any_sync(0xffffffffu, live)) return;
     if (__any_sync(0xffffffffu, issued)) {
@@ -495,6 +515,10 @@ __device__ __forceinline__ void stream_read_end(int warp, unsigned j) {
 // be stale; the body runs on and the worker leaves at its next wait.
 __device__ __forceinline__ const char* stream_acquire(int warp, unsigned j) {
   const int slot = (int)(j % kStreamSlots);
+  if constexpr (!kProducerWarp) {  // inline production stopped at an entry that could not open yet: retry
+    if ((threadIdx.x & 31) == 0 && j >= s_stream.warp[warp].issued) stream_inline_produce(s_stream.warp[warp], warp);
+    __syncwarp();
+  }
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
   if constexpr (kStreamWaits) {  // (lane 0 times the wait for the stage; stream_release the read)
     const unsigned long long t0 = globaltimer();

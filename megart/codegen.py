@@ -81,16 +81,37 @@ def _switch(fn: str, args: str, cases: list[str], default: str = "break;") -> st
             "  }\n}\n")
 
 
+# The weight stream's stage formats (TaskType.stream_format): ws.format's number, how an entry opens (from
+# its params struct `p`) and the function that issues its next stage.
+STREAM_FORMATS = {
+    "dense": (0, "dense::stream_open({plan}(p), ws, warp) ? kOpenStages : kOpenNone", "dense_stage_next"),
+    "kv": (1, "megart_attn::kv_stream_open(p, ws, warp)", "megart_attn::kv_stage_next"),
+}
+
+
 def stream_open(types: list[TaskType]) -> str:
-    """megart_stream_open(): where an entry's stages are, per streamed type (declared in
-    csrc/weight_stream.cuh; the producer calls it once per warp and entry)."""
-    cases = [f"    case {t.id}: return megart::dense::stream_open({t.plan_name}("
-             f"*reinterpret_cast<const {t.struct_name}*>(d.params)), ws, warp);" for t in types]
+    """megart_stream_open(): where an entry's stages are, per streamed type, and stream_format_next(): the
+    formats' stage issue (both declared in csrc/weight_stream.cuh; the producer opens each entry once per
+    warp, then issues its stages)."""
+    for t in types:
+        if t.stream_format not in STREAM_FORMATS:
+            raise ValueError(f"task type {t.name!r}: stream_format {t.stream_format!r} is not one of "
+                             f"{', '.join(STREAM_FORMATS)}")
+    cases = []
+    for t in types:
+        number, open_expr, _ = STREAM_FORMATS[t.stream_format]
+        cases.append(f"    case {t.id}: {{\n      const auto& p = *reinterpret_cast<const {t.struct_name}*>(d.params);\n"
+                     f"      ws.format = {number};\n      return {open_expr.format(plan=t.plan_name)};\n    }}")
+    used = sorted({STREAM_FORMATS[t.stream_format][:3:2] for t in types})   # (number, next function)
+    nexts = "".join(f"  if (ws.format == {n}) return {fn}(ws, warp, slot);\n" for n, fn in used[:-1])
+    nexts += f"  return {used[-1][1]}(ws, warp, slot);\n" if used else "  return false;\n"
     return ("namespace megart {\n"
-            "__device__ __noinline__ bool megart_stream_open(const TaskDesc& d, WarpStream& ws, int warp) {\n"
+            "__device__ __noinline__ int megart_stream_open(const TaskDesc& d, WarpStream& ws, int warp) {\n"
             "  switch (d.hdr[kHdr_type]) {\n" + "\n".join(cases) + "\n"
-            "    default: return false;  // no weight stream: the producer steps over it\n"
-            "  }\n}\n}  // namespace megart\n")
+            "    default: return kOpenNone;  // no weight stream: the producer steps over it\n"
+            "  }\n}\n"
+            "__device__ __forceinline__ bool stream_format_next(WarpStream& ws, int warp, int slot) {\n"
+            + nexts + "}\n}  // namespace megart\n")
 
 
 def dispatch(types: list[TaskType], streamed: tuple = ()) -> str:

@@ -30,11 +30,13 @@ OWNED_MACROS = {
     "MEGART_STREAM_HANG_FREE": "the weight stream's hang code (megart/stream.py)",
     "MEGART_STREAM_INFLIGHT_STAGES": "the weight stream's in-flight cap, from MEGART_STREAM_INFLIGHT",
     "MEGART_ATTN_TAGGED": "attention_decode's tagged form, compiled in when the graph uses it (k_new given)",
+    "MEGART_ATTN_UNSTAMPED": "attention_decode's own K/V reads beside the stream's, compiled in when an instance has no pos_stamp",
+    "MEGART_ATTN_RING_ORDER": "the attention ring size whose position order the streamed K/V keep (tasks/attention.py)",
 }
 # Macros that must be non-negative integers: Python also reads them (to size shared memory), or the device
 # code tests them as numbers (MEGART_LEAN_SYNC: one release fence per instance's signals, csrc/runtime.cuh).
 INT_MACROS = ("MEGART_DENSE_RING_SLOTS", "MEGART_ATTN_RING_BYTES", "MEGART_PREFETCH_KB", "MEGART_LEAN_SYNC",
-              "MEGART_PHASE_MARKS", "MEGART_DIAG_NO_WAIT", "MEGART_STREAM_WAITS")
+              "MEGART_PHASE_MARKS", "MEGART_DIAG_NO_WAIT", "MEGART_STREAM_WAITS", "MEGART_STREAM_KV")
 
 
 def check_defines(defines, origin: str = "defines") -> dict:

@@ -124,6 +124,8 @@ class TaskType:
     #                                   source defines plan_<name>(p), the per-instance weight stream as a
     #                                   dense MatvecPlan (row pairs x 16-byte chunks in consumption order),
     #                                   and its body reads them with dense::matvec_prewaited<FP8, P>
+    stream_format: str = "dense"      # what its stages are (codegen.STREAM_FORMATS): "dense" as above, or "kv"
+    #                                   (attention_decode: blocks of K/V cache rows, megart_attn::kv_stream_open)
     smem_for: Callable | None = None  # smem_for(cfg) -> bytes, when it depends on the kernel config
     defines_for: Callable | None = None   # defines_for(cfg) -> {macro: value} this type's source needs
     macros_for: Callable | None = None    # macros_for([params of the kernel's instances of this type]) ->

@@ -22,7 +22,7 @@ SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
 STATIC_BASE = 1792             # static shared memory of the worker beside the ring's mbarriers (descriptor slots,
                                # stream state: 1,632 B at 24 parameter slots) and the padding to codegen.SMEM_ALIGN
 BARRIER_BYTES = 16             # static, per compute warp and slot: its "full" and "empty" mbarriers
-ATTN_TAGGED_STATIC = 528       # and attention_decode's tagged form (MEGART_ATTN_TAGGED): its staged new row
+ATTN_TAGGED_STATIC = 528       # and attention_decode's staged new row (its tagged form, or K/V on the stream)
 MAX_SLOTS = 8                  # past this the warps' stages already cover several us of HBM time
 DEFAULT_STAGE_CHUNKS = 128     # measured fastest on the Llama-1B step with 4 producer warps (bench/RESULTS.md)
 STAGE_CHUNKS = (64, 128, 256)  # 16-byte chunks per row in one stage (MEGART_STREAM_STAGE): smaller stages
@@ -109,12 +109,27 @@ def _forced(cfg: KernelConfig) -> int | None:
     return n
 
 
+def kv_streamed(cfg: KernelConfig) -> bool:
+    """Whether attention_decode's K/V cache rows come through the stream (its "kv" format) in a kernel built
+    with `cfg`: when the stream is on and MEGART_STREAM_KV=1. The rows below pos are read-only in a step, so
+    the producer loads them ahead, while the calls before attention run, and the attention body reads them
+    landed, bit for bit as its own cp.async ring would. Off by default: on the H200 the Llama-1B step
+    measured slower with it (bench/RESULTS.md), so attention keeps its ring."""
+    return stream_requested(cfg) and macro_on(cfg, "MEGART_STREAM_KV")
+
+
+def streams(t, cfg: KernelConfig, overrides: dict) -> bool:
+    """Whether task type `t` is on the stream of a kernel built with `cfg` (a type whose body is overridden by
+    a candidate is not: its body need not consume the stream)."""
+    return t.stream and t.name not in overrides and (t.stream_format != "kv" or kv_streamed(cfg))
+
+
 def static_reserve(cfg: KernelConfig, slots: int) -> int:
     """The static shared memory a kernel of `cfg` with `slots` ring slots per warp may use beside the dynamic
     (the ring is sized against it): the slots' mbarriers are static."""
     tagged_attn, waits = macro_on(cfg, "MEGART_ATTN_TAGGED"), macro_on(cfg, "MEGART_STREAM_WAITS")
     warps = cfg.threads // 32
-    return (STATIC_BASE + BARRIER_BYTES * warps * slots + (ATTN_TAGGED_STATIC if tagged_attn else 0)
+    return (STATIC_BASE + BARRIER_BYTES * warps * slots + (ATTN_TAGGED_STATIC if tagged_attn or kv_streamed(cfg) else 0)
             + (warps * 16 if waits else 0))  # (the diagnostic's two stamps per warp)
 
 
@@ -129,7 +144,7 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
     overrides = overrides or {}
     if any(t.id >= USER_ID_BASE for t in types):
         return StreamLayout()   # a user body may size loops by blockDim.x, which the producer warp would change
-    names = tuple(t.name for t in types if t.stream and t.name not in overrides)
+    names = tuple(t.name for t in types if streams(t, cfg, overrides))
     forced = _forced(cfg)
     old_ring = int(caller_macros(cfg).get("MEGART_DENSE_RING_SLOTS", 0) or 0)
     if old_ring > 0:

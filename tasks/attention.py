@@ -325,7 +325,7 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
 
 
 def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, n_kv, hd, max_seq=None, chunk=0,
-                chunks=None, scale=None, out=None, arrivals=None, k_new=None, v_new=None):
+                chunks=None, scale=None, out=None, arrivals=None, k_new=None, v_new=None, pos_stamp=None):
     T = "attention_decode"
     qr, kr, vr, group, ms = _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq)
     pr, por, pmr = as_ref(pos, "pos"), as_ref(part_o, "part_o"), as_ref(part_ml, "part_ml")
@@ -344,6 +344,12 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
     fused = _fused_refs(T, out, arrivals, n_q, n_kv, hd, group, nch)
     tagged_out = int(out is not None and as_ref(out, "out").tensor.tagged)
     new = _new_rows(T, qr, k_new, v_new, n_kv, hd)   # the tagged form: q and the new rows polled
+    stamp = None
+    if pos_stamp is not None:   # (pos_advance's stamp: the weight stream's producer reads pos once it is there)
+        sr = as_ref(pos_stamp, "pos_stamp")
+        require(sr.tensor.tagged and sr.count == 1, T, "pos_stamp must be one tagged word (megart.tagged.empty(1)), "
+                "the one pos_advance stamps")
+        stamp = sr
     res = []
     for h in range(n_kv):
         k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
@@ -358,7 +364,7 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
                                 part_o=por.tensor.ref(por.offset + slot * hd, ng * hd),
                                 part_ml=pmr.tensor.ref(pmr.offset + slot * 2, ng * 2),
                                 group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale,
-                                tagged_out=tagged_out, **rows, **fused(h, c)))
+                                tagged_out=tagged_out, pos_stamp=stamp, **rows, **fused(h, c)))
     return res
 
 
@@ -477,11 +483,16 @@ def attn_ring_bytes(cfg) -> int:
     """attention_decode's K/V ring in a kernel built with `cfg` (codegen.KernelConfig): MEGART_ATTN_RING_BYTES
     when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under LOW_REG_THREADS threads (the body's
     !kLowRegs case), 0 otherwise (the register path, as before the ring). Beside the weight stream too: a
-    32 KB ring (6 weight slots instead of 5) measured the same at 2k context and 4% slower at 32k."""
+    32 KB ring (6 weight slots instead of 5) measured the same at 2k context and 4% slower at 32k. Where K/V
+    come through the weight stream (stream.kv_streamed) the ring is off: an instance the stream does not
+    carry (no pos_stamp) reads its rows through registers."""
     from ..config import caller_macros
+    from ..stream import kv_streamed
     forced = caller_macros(cfg).get("MEGART_ATTN_RING_BYTES")
     if forced is not None:
         return int(forced)
+    if kv_streamed(cfg):
+        return 0
     return ATTN_RING if cfg.min_blocks == 1 and cfg.threads < LOW_REG_THREADS else 0
 
 
@@ -490,7 +501,19 @@ def _attn_smem(cfg) -> int:
 
 
 def _attn_defines(cfg) -> dict:
-    return {"MEGART_ATTN_RING_BYTES": attn_ring_bytes(cfg)}
+    # (ORDER: the ring size whose position order and batches the streamed K/V path keeps, bit for bit)
+    return {"MEGART_ATTN_RING_BYTES": attn_ring_bytes(cfg), "MEGART_ATTN_RING_ORDER": ATTN_RING}
+
+
+def _attn_macros(params) -> dict:
+    """The forms the graph's instances use: tagged (k_new given), and unstamped (no pos_stamp: K/V read by
+    the body even where the stream carries the others')."""
+    out = {}
+    if any(p.get("k_new") is not None for p in params):
+        out["MEGART_ATTN_TAGGED"] = 1
+    if any(p.get("pos_stamp") is None for p in params):
+        out["MEGART_ATTN_UNSTAMPED"] = 1
+    return out
 
 
 register(TaskType(
@@ -500,15 +523,19 @@ register(TaskType(
             scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("max_seq"),
             scalar("scale", "f32"), ptr("out", "bf16", "out", optional=True, tagged=True),
             ptr("arrivals", "i32", "sync", optional=True), scalar("tagged_out"),
-            ptr("k_new", "bf16", "in", optional=True, tagged=True), ptr("v_new", "bf16", "in", optional=True, tagged=True)),
+            ptr("k_new", "bf16", "in", optional=True, tagged=True), ptr("v_new", "bf16", "in", optional=True, tagged=True),
+            ptr("pos_stamp", "bf16", "in", optional=True, tagged=True)),
     source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS, reference=_attn_fused_ref, split=_attn_split,
+    stream=True, stream_format="kv",
     cost=_attn_cost, smem_bytes=SMEM_ATTN, smem_for=_attn_smem, defines_for=_attn_defines,
-    macros_for=lambda params: {"MEGART_ATTN_TAGGED": 1} if any(p.get("k_new") is not None for p in params) else {},
+    macros_for=_attn_macros,
     doc="Flash-decoding partials (m, l, unnormalised o) of one query token over one KV chunk of one kv "
         "head (GQA), kv_len = pos + 1 read on the device; with out and arrivals (one i32 counter per kv head, "
         "zero at the start) the last chunk of each kv head to finish also merges its partials into out. The "
         "tagged form (q, k_new, v_new tagged, from qkv_rope_append's tagged form) polls q and takes position pos "
-        "from k_new / v_new, so it waits on no event of qkv's."),
+        "from k_new / v_new, so it waits on no event of qkv's. With pos_stamp (the word pos_advance stamps once "
+        "pos is written) and the weight stream on, the chunk's K/V rows come through the stream, loaded ahead "
+        "while the calls before it run; without it the instance reads them itself."),
     builtin=True)
 
 

@@ -28,6 +28,12 @@ namespace megart_attn {
 #define MEGART_ATTN_RING_BYTES 0
 #endif
 constexpr int kAttnRingBytes = MEGART_ATTN_RING_BYTES;
+// The ring's geometry at BYTES of ring (attention_decode_body): positions (K + V: 32 bytes) per thread it
+// holds, and positions per stage per thread (RU; a batch of the online softmax).
+template <int BYTES>
+constexpr int kRingPositions = BYTES / (MEGART_THREADS * 32);
+template <int BYTES>
+constexpr int kRingU = kRingPositions<BYTES> >= 16 ? 4 : (kRingPositions<BYTES> >= 8 ? 2 : 1);
 // MEGART_DIAG_NO_WAIT bit 2 (a timing diagnostic, device builds only; csrc/runtime.cuh): attention reads no
 // K/V from the cache (the ring copies nothing, the register path takes zeros). The step computes garbage; its
 // time against the default says what attention's K/V reads cost the step.
@@ -36,6 +42,22 @@ constexpr bool kDiagNoKv = (MEGART_DIAG_NO_WAIT & 4) != 0;
 #else
 constexpr bool kDiagNoKv = false;
 #endif
+
+// Positions [lo, hi) of the instance's chunk at this step's pos (kv_len = pos + 1, capped at max_seq): the
+// body's, and the weight stream producer's when it loads the chunk's rows ahead (kv_stream_open).
+__device__ __forceinline__ void chunk_range(const megart_params_attention_decode& p, int pos, int& lo, int& hi) {
+  const int kv_len = pos < 0 ? 0 : (pos >= p.max_seq ? p.max_seq : pos + 1);
+  if (p.chunk > 0) {
+    lo = p.cidx * p.chunk;
+    hi = lo + p.chunk;
+  } else {
+    const int cl = (kv_len + p.nchunks - 1) / p.nchunks;
+    lo = p.cidx * cl;
+    hi = lo + cl;
+  }
+  if (hi > kv_len) hi = kv_len;
+  if (hi < lo) hi = lo;
+}
 
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ unsigned shared_addr(char* smem) { return (unsigned)__cvta_generic_to_shared(smem); }
@@ -112,6 +134,12 @@ __device__ __forceinline__ KVec<VEC> ld_kvec(const __nv_bfloat16* p) {
 #define MEGART_ATTN_TAGGED 0
 #endif
 constexpr bool kAttnTagged = MEGART_ATTN_TAGGED != 0;
+// MEGART_ATTN_UNSTAMPED (from the graph too): an instance without pos_stamp, whose K/V the weight stream does
+// not carry, so it reads them itself; otherwise a kernel that streams K/V has no such path.
+#ifndef MEGART_ATTN_UNSTAMPED
+#define MEGART_ATTN_UNSTAMPED 0
+#endif
+constexpr bool kAttnUnstamped = MEGART_ATTN_UNSTAMPED != 0;
 
 // The tagged form's new K (kv = 0) and V (kv = 1) row of the instance's kv head, bf16, staged from k_new /
 // v_new by attention_decode_body (hd <= 128: 16 vectors of 8); new_row_kvec reads lane sub's VEC values.
@@ -240,13 +268,61 @@ __device__ __forceinline__ void merge_if_last(const megart_params_attention_deco
   }
 }
 
+// The tagged form polls before q and the softmax state are live (a spin beside them spilled): the CTA's
+// threads together wait until every word of the instance's q carries this step's tag, and stage the new
+// row (tpos >= 0: this chunk holds position pos). After the barrier each thread reads its q words as plain
+// values: a word is final once tagged.
+template <int HD, int G>
+__device__ __forceinline__ void poll_tagged_inputs(const megart_params_attention_decode& p, int tpos) {
+  constexpr int NT = MEGART_THREADS;
+  const int tid = threadIdx.x;
+#pragma unroll 1
+  for (int c = tid; c < G * HD / 8; c += NT) (void)megart::ld_tagged8(p.q, 8 * c);
+  if (tpos >= 0) {
+    if (tid < HD / 8) s_new_row[0][tid] = megart::ld_tagged8(p.k_new, 8 * tid);
+    else if (tid < HD / 4) s_new_row[1][tid - HD / 8] = megart::ld_tagged8(p.v_new, 8 * (tid - HD / 8));
+  }
+  __syncthreads();
+}
+
+// Lane `sub`'s VEC values of each of the G q heads, scaled for the base-2 softmax, and the empty softmax state.
+template <int HD, int G, int VEC>
+__device__ __forceinline__ void load_q(const megart_params_attention_decode& p, bool tnew, int sub, float (&q)[G][VEC],
+                                       float (&m)[G], float (&l)[G], float (&o)[G][VEC]) {
+  constexpr float NEG = -3.402823466e38f;  // finite "minus infinity" keeps exp2(m_old - m_new) NaN-free
+  const float qscale = p.scale * kLog2e;
+  if (tnew) {  // q's tagged words, known to carry this step's tag (polled before)
+    const unsigned* qw = reinterpret_cast<const unsigned*>(p.q) + sub * VEC;
+#pragma unroll
+    for (int g = 0; g < G; ++g) ld_tagged_values<VEC>(qw + g * HD, q[g]);
+  } else {
+#pragma unroll
+    for (int g = 0; g < G; ++g) unpack_kvec<VEC>(ld_kvec<VEC>(p.q + g * HD + sub * VEC), q[g]);
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) q[g][e] *= qscale;
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = NEG;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) o[g][e] = 0.f;
+  }
+}
+
+template <int HD, int G, int VEC>
+__device__ __forceinline__ void store_partials(const megart_params_attention_decode& p, char* smem, float (&m)[G],
+                                               float (&l)[G], float (&o)[G][VEC]);
+
 template <int HD, int G>
 __device__ __forceinline__ void attention_decode_body(const megart_params_attention_decode& p, char* smem, int lo,
                                                       int hi) {
   constexpr int NT = MEGART_THREADS, NWARP = NT / 32;
   // Ring geometry (see "Ring" below); it depends only on the thread count and the ring size.
-  constexpr int RPOS = kAttnRingBytes / (NT * 32);  // positions (K + V: 32 bytes) per thread the ring holds
-  constexpr int RU = RPOS >= 16 ? 4 : (RPOS >= 8 ? 2 : 1);
+  constexpr int RPOS = kRingPositions<kAttnRingBytes>, RU = kRingU<kAttnRingBytes>;
   constexpr int RS = RPOS / RU > 4 ? 4 : RPOS / RU;
   constexpr bool kRing = !kLowRegs && G <= 8 && RS >= 2;
   // bf16 per lane per row. The ring path keeps 16-byte vectors for every G (5..8 included: its few
@@ -258,7 +334,6 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   constexpr int RPW = 32 / LPR;        // rows (positions) per warp per load
   constexpr int SLOTS = NWARP * RPW;   // positions per CTA per load
   constexpr int U = kLowRegs ? (G >= 4 ? 2 : 4) : (G > 4 ? 4 : 8);  // register path: positions per slot per batch
-  constexpr float NEG = -3.402823466e38f;  // finite "minus infinity" keeps exp2(m_old - m_new) NaN-free
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane % LPR, rw = lane / LPR, slot = warp * RPW + rw;
   const __nv_bfloat16* kb = p.k_cache + sub * VEC;
@@ -300,42 +375,9 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
 #pragma unroll
     for (int j = 0; j < RS - 1; ++j) issue(j);  // before q: the q and K/V round trips overlap
   }
-  // The tagged form polls before q and the softmax state are live (a spin beside them spilled): the CTA's
-  // threads together wait until every word of the instance's q carries this step's tag, and stage the new
-  // row. After the barrier each thread reads its q words as plain values: a word is final once tagged.
-  if (tnew) {  // (uniform over the CTA)
-#pragma unroll 1
-    for (int c = tid; c < G * HD / 8; c += NT) (void)megart::ld_tagged8(p.q, 8 * c);
-    if (tpos >= 0) {
-      if (tid < HD / 8) s_new_row[0][tid] = megart::ld_tagged8(p.k_new, 8 * tid);
-      else if (tid < HD / 4) s_new_row[1][tid - HD / 8] = megart::ld_tagged8(p.v_new, 8 * (tid - HD / 8));
-    }
-    __syncthreads();
-  }
-
-  float q[G][VEC];
-  const float qscale = p.scale * kLog2e;
-  if (tnew) {  // q's tagged words, known to carry this step's tag (polled above)
-    const unsigned* qw = reinterpret_cast<const unsigned*>(p.q) + sub * VEC;
-#pragma unroll
-    for (int g = 0; g < G; ++g) ld_tagged_values<VEC>(qw + g * HD, q[g]);
-  } else {
-#pragma unroll
-    for (int g = 0; g < G; ++g) unpack_kvec<VEC>(ld_kvec<VEC>(p.q + g * HD + sub * VEC), q[g]);
-  }
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) q[g][e] *= qscale;
-  }
-  float m[G], l[G], o[G][VEC];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = NEG;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) o[g][e] = 0.f;
-  }
+  if (tnew) poll_tagged_inputs<HD, G>(p, tpos);
+  float q[G][VEC], m[G], l[G], o[G][VEC];
+  load_q<HD, G, VEC>(p, tnew, sub, q, m, l, o);
 
   if constexpr (kRing) {
     // The tagged form: the stage and vector of position pos, if this thread holds it (its ring copy is of the
@@ -383,6 +425,17 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
     }
   }
 
+  store_partials<HD, G, VEC>(p, smem, m, l, o);
+}
+
+// The instance's result from every lane's softmax state: the RPW slots of each warp merged across lanes, the
+// warps merged through shared memory, then m (natural units), l and o stored per q head.
+template <int HD, int G, int VEC>
+__device__ __forceinline__ void store_partials(const megart_params_attention_decode& p, char* smem, float (&m)[G],
+                                               float (&l)[G], float (&o)[G][VEC]) {
+  constexpr int NT = MEGART_THREADS, NWARP = NT / 32, LPR = HD / VEC;
+  constexpr float NEG = -3.402823466e38f;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, sub = lane % LPR, rw = lane / LPR;
   // merge the RPW slots of this warp (lanes sub, sub + LPR, ...) into lanes 0..LPR-1
 #pragma unroll
   for (int off = LPR; off < 32; off <<= 1) {
@@ -463,6 +516,7 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   }
 }
 
+
 // Width dispatch for one head size. MEGART_ATTN_HD_ONLY (a head size) and MEGART_ATTN_GROUP_MASK (bit g set:
 // width g is run) let a model that knows its shape keep only the bodies it runs, which shortens the NVRTC
 // compile; by default both head sizes and all widths 1..8 are instantiated.
@@ -495,24 +549,184 @@ __device__ __forceinline__ void attention_decode_group(const megart_params_atten
     default: break;  // the splitter gives no instance more than 8 q heads
   }
 }
+
+#if MEGART_STREAM_SLOTS > 0
+// ---- K/V through the weight stream (csrc/weight_stream.cuh's "kv" stage format) ------------------------
+// The cache rows below pos are read-only within a step, so the producer loads them ahead, like weights,
+// while the calls before attention run. Every lane slot (warp w, row rw) attends the positions the ring path
+// gives it, in the same batches, so both give the same bits: positions lo + s + k * SLOTS (s = w * RPW + rw,
+// SLOTS = warps x RPW), k in batches of RU, RU being the ring's at MEGART_ATTN_RING_ORDER bytes (its default
+// size). A stage of warp w holds UB consecutive k: for each, the warp's RPW consecutive rows (K in the slot's
+// first half, V in its second). The chunk [lo, hi) depends on this step's pos, which the producer (waiting on
+// no event) reads once pos_advance's stamp carries this step's tag. Row pos itself is written by this step's
+// qkv (or staged from k_new in the tagged form), so the body reads that row after its wait instead.
+constexpr bool kStreamKv = megart::StreamOn<megart_params_attention_decode>::value;
+#ifndef MEGART_ATTN_RING_ORDER
+#define MEGART_ATTN_RING_ORDER 65536
+#endif
+constexpr int kKvRu = kRingU<MEGART_ATTN_RING_ORDER>;
+template <int HD>
+constexpr int kKvRpw = 32 / (HD / 8);  // rows per warp per load (16-byte vectors)
+template <int HD>
+constexpr int kKvUb = megart::kStreamSlotBytes / 2 / (2 * HD) / kKvRpw<HD>;  // k steps per stage
+
+struct KvStreamState {
+  const char* k;  // the chunk's first K row
+  const char* v;  // and V row
+  int n;          // positions in the chunk
+  int first;      // the warp's next stage's first row (from lo)
+  int rpw;        // rows per warp per k step
+  int slots;      // rows per k step (all warps)
+  int ub;         // k steps per stage
+  int row_bytes;  // HD * 2
+};
+static_assert(sizeof(KvStreamState) <= sizeof(megart::WarpStream::cursor), "KvStreamState does not fit WarpStream::cursor");
+
+// Producer lane, once per (warp, entry): kOpenLater until pos_advance has stamped this step's pos.
+__device__ __forceinline__ int kv_stream_open(const megart_params_attention_decode& p, megart::WarpStream& ws, int warp) {
+  if (p.pos_stamp == nullptr || (p.hd != 64 && p.hd != 128)) return megart::kOpenNone;  // (the body reads its rows)
+  int pos = ws.pos;  // (read once per launch and pos tensor: it is this step's for every entry)
+  if (ws.pos_at != p.pos) {
+    const unsigned stamp = megart::ld_relaxed_u32(reinterpret_cast<const unsigned*>(p.pos_stamp));
+#ifdef __CUDA_ARCH__
+    if (((stamp ^ megart::step_tag_bits(megart::s_stream.gen)) >> 16) != 0) return megart::kOpenLater;
+    __threadfence();  // the stamp before pos (pos_advance stored pos, a fence, then the stamp)
+#else
+    if (((stamp ^ megart::s_poll.tag) >> 16) != 0) return megart::kOpenLater;
+#endif
+    pos = *reinterpret_cast<volatile const int*>(p.pos);
+    ws.pos = pos;
+    ws.pos_at = p.pos;
+  }
+  int lo, hi;
+  chunk_range(p, pos, lo, hi);
+  KvStreamState& s = *reinterpret_cast<KvStreamState*>(ws.cursor);
+  s.row_bytes = 2 * p.hd;
+  s.rpw = p.hd == 64 ? kKvRpw<64> : kKvRpw<128>;
+  s.ub = p.hd == 64 ? kKvUb<64> : kKvUb<128>;
+  s.slots = megart::kStreamWarps * s.rpw;
+  s.n = hi - lo;
+  s.first = warp * s.rpw;
+  s.k = reinterpret_cast<const char*>(p.k_cache) + (long long)lo * s.row_bytes;
+  s.v = reinterpret_cast<const char*>(p.v_cache) + (long long)lo * s.row_bytes;
+  return s.first < s.n ? megart::kOpenStages : megart::kOpenNone;
+}
+
+// Producer lane: the warp's next stage into `slot`: UB k steps of its RPW rows (fewer past the chunk's end).
+__device__ __forceinline__ bool kv_stage_next(megart::WarpStream& ws, int warp, int slot) {
+  KvStreamState& s = *reinterpret_cast<KvStreamState*>(ws.cursor);
+  if (s.first >= s.n) return false;
+  unsigned rows = 0;
+  for (int kk = 0; kk < s.ub; ++kk) rows += (unsigned)max(0, min(s.rpw, s.n - (s.first + kk * s.slots)));
+  char* dst = megart::stream_slot(warp, slot);
+  unsigned long long* b = megart::stream_full(warp, slot);
+  megart::mbar_expect(b, 2u * rows * (unsigned)s.row_bytes);
+  for (int kk = 0; kk < s.ub; ++kk) {
+    const int r0 = s.first + kk * s.slots, cnt = min(s.rpw, s.n - r0);
+    if (cnt <= 0) break;
+    const long long off = (long long)r0 * s.row_bytes;
+    const int at = kk * s.rpw * s.row_bytes;
+    megart::bulk_load(dst + at, s.k + off, (unsigned)(cnt * s.row_bytes), b);
+    megart::bulk_load(dst + megart::kStreamSlotBytes / 2 + at, s.v + off, (unsigned)(cnt * s.row_bytes), b);
+  }
+  s.first += s.ub * s.slots;
+  return true;
+}
+
+// The body of a streamed instance: the ring path's softmax (16-byte vectors, MUFU exponent, batches of RU
+// positions per lane slot) over the warp's stages as they land.
+template <int HD, int G>
+__device__ __forceinline__ void attention_stream_body(const megart_params_attention_decode& p, char* smem, int lo,
+                                                      int hi, int pos) {
+  constexpr int NWARP = MEGART_THREADS / 32, VEC = 8, LPR = HD / VEC, RPW = kKvRpw<HD>, SLOTS = NWARP * RPW;
+  constexpr int UB = kKvUb<HD>, RU = kKvRu;
+  static_assert(UB >= RU && UB % RU == 0, "a K/V stage holds whole batches of the ring's order (MEGART_STREAM_STAGE)");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % LPR, rw = lane / LPR;
+  const int slot_pos = warp * RPW + rw;
+  const bool tnew = kAttnTagged && p.k_new != nullptr;
+  const int fresh = pos >= lo && pos < hi ? pos : -1;  // row pos, written this step (hi <= kv_len: pos < max_seq)
+  if (tnew) poll_tagged_inputs<HD, G>(p, fresh);
+  float q[G][VEC], m[G], l[G], o[G][VEC];
+  load_q<HD, G, VEC>(p, tnew, sub, q, m, l, o);
+  if (!tnew && fresh >= 0) {  // qkv's store of row pos (this instance's wait made it visible), staged as the
+    const int tid = threadIdx.x;  // tagged form stages k_new / v_new: its loads overlap q's (uniform over the CTA)
+    if (tid < HD / 8) s_new_row[0][tid] = ld_in16(p.k_cache + (long long)fresh * HD + 8 * tid);
+    else if (tid < HD / 4) s_new_row[1][tid - HD / 8] = ld_in16(p.v_cache + (long long)fresh * HD + 8 * (tid - HD / 8));
+    __syncthreads();
+  }
+  unsigned j = megart::stream_read_begin(warp);
+  for (int k0 = 0; lo + k0 * SLOTS + warp * RPW < hi; k0 += UB) {  // (the producer's stages, kv_stage_next)
+    const char* stage = megart::stream_acquire(warp, j);
+#pragma unroll
+#pragma unroll 1
+    for (int i = 0; i < UB / RU; ++i) {
+      KVec<VEC> kv[RU], vv[RU];
+#pragma unroll
+      for (int u = 0; u < RU; ++u) {
+        const int kk = i * RU + u, t = lo + (k0 + kk) * SLOTS + slot_pos;
+        if (t == fresh) {  // (staged above: the streamed copy of row pos may predate qkv's store)
+          kv[u] = new_row_kvec<VEC>(0, sub);
+          vv[u] = new_row_kvec<VEC>(1, sub);
+        } else if (t < hi) {
+          const uint4* r = reinterpret_cast<const uint4*>(stage + ((kk * RPW + rw) * HD + sub * VEC) * 2);
+          const uint4 a = r[0], c = r[megart::kStreamSlotBytes / 2 / 16];
+          kv[u].u[0] = a.x, kv[u].u[1] = a.y, kv[u].u[2] = a.z, kv[u].u[3] = a.w;
+          vv[u].u[0] = c.x, vv[u].u[1] = c.y, vv[u].u[2] = c.z, vv[u].u[3] = c.w;
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC / 2; ++e) kv[u].u[e] = vv[u].u[e] = 0u;
+        }
+      }
+      if (i == UB / RU - 1) megart::stream_release(warp, j);  // (the stage's last rows are in registers)
+      attend_batch<VEC, LPR, G, RU, true>(q, m, l, o, kv, vv, lo + (k0 + i * RU) * SLOTS + slot_pos, SLOTS, hi);
+    }
+    ++j;
+  }
+  megart::stream_read_end(warp, j);
+  store_partials<HD, G, VEC>(p, smem, m, l, o);
+}
+
+template <int HD>
+__device__ __forceinline__ void attention_stream_group(const megart_params_attention_decode& p, char* smem, int lo,
+                                                       int hi, int pos) {
+#ifdef MEGART_ATTN_HD_ONLY
+  constexpr bool kHdOn = HD == MEGART_ATTN_HD_ONLY;
+#else
+  constexpr bool kHdOn = true;
+#endif
+  if constexpr (kHdOn) switch (p.group) {
+#define MEGART_ATTN_STREAM_CASE(G) \
+  case G:                          \
+    if constexpr ((MEGART_ATTN_GROUP_MASK >> G) & 1) attention_stream_body<HD, G>(p, smem, lo, hi, pos);  \
+    break;
+    MEGART_ATTN_STREAM_CASE(1) MEGART_ATTN_STREAM_CASE(2) MEGART_ATTN_STREAM_CASE(3) MEGART_ATTN_STREAM_CASE(4)
+    MEGART_ATTN_STREAM_CASE(5) MEGART_ATTN_STREAM_CASE(6) MEGART_ATTN_STREAM_CASE(7) MEGART_ATTN_STREAM_CASE(8)
+#undef MEGART_ATTN_STREAM_CASE
+    default: break;
+  }
+}
+#endif  // MEGART_STREAM_SLOTS > 0
 }  // namespace megart_attn
 
 __device__ __forceinline__ void megart_task_attention_decode(const megart_params_attention_decode& p, char* smem) {
   const int pos = megart_attn::ld_in_i32(p.pos);
-  const int kv_len = pos < 0 ? 0 : (pos >= p.max_seq ? p.max_seq : pos + 1);
   int lo, hi;
-  if (p.chunk > 0) {
-    lo = p.cidx * p.chunk;
-    hi = lo + p.chunk;
-  } else {
-    const int cl = (kv_len + p.nchunks - 1) / p.nchunks;
-    lo = p.cidx * cl;
-    hi = lo + cl;
-  }
-  if (hi > kv_len) hi = kv_len;
-  if (hi < lo) hi = lo;
+  megart_attn::chunk_range(p, pos, lo, hi);
   // p.group <= 8: the splitter gives a larger GQA group several instances per kv head. Every width is its
   // own instantiation, so q, o and the softmax state are sized exactly: group 3 or 7 pays for 3 or 7 heads.
+#if MEGART_STREAM_SLOTS > 0
+  // The instances the stream carries (megart_attn::kv_stream_open): all of them unless the graph has one
+  // without pos_stamp (MEGART_ATTN_UNSTAMPED), so the other path's code is compiled in only then.
+  if (megart_attn::kStreamKv && (!megart_attn::kAttnUnstamped || p.pos_stamp != nullptr)) {
+    if (p.hd == 64) {
+      megart_attn::attention_stream_group<64>(p, smem, lo, hi, pos);
+    } else if (p.hd == 128) {
+      megart_attn::attention_stream_group<128>(p, smem, lo, hi, pos);
+    }
+    if (p.arrivals != nullptr) megart_attn::merge_if_last(p, smem);
+    return;
+  }
+#endif
   if (p.hd == 64) {
     megart_attn::attention_decode_group<64>(p, smem, lo, hi);
   } else if (p.hd == 128) {

@@ -1,6 +1,6 @@
 """Bookkeeping task types for a decode loop that stays on the device (ids 96-111): no host work per step.
 
-* pos_advance(pos, pos_next): pos = pos_next; pos_next += 1. Put it first in the step: every reader of
+* pos_advance(pos, pos_next[, pos_stamp]): pos = pos_next; pos_next += 1 (then pos_stamp gets this step's tag). Put it first in the step: every reader of
   `pos` then depends on this one instance (a read-after-write), and nothing has to write `pos` at the
   step's end, where its write-after-read dependencies on every layer's readers would need a barrier.
 * token_record(history, token, pos): history[pos] = token (the argmax the step produced), so a greedy
@@ -25,17 +25,26 @@ def _pos_advance_ref(p) -> None:
     p.pos_next[0] = v + 1
 
 
-def _pos_advance_split(nw, tiles=1, pos=None, pos_next=None):
+def _pos_advance_split(nw, tiles=1, pos=None, pos_next=None, pos_stamp=None):
     require(tiles == 1, "pos_advance", "is a single instance (tiles=1)")
-    return [dict(pos=_one("pos_advance", pos, "pos"), pos_next=_one("pos_advance", pos_next, "pos_next"))]
+    out = dict(pos=_one("pos_advance", pos, "pos"), pos_next=_one("pos_advance", pos_next, "pos_next"), pos_stamp=None)
+    if pos_stamp is not None:
+        r = as_ref(pos_stamp, "pos_stamp")
+        require(r.tensor.tagged and r.count == 1, "pos_advance",
+                "pos_stamp must be one tagged word (megart.tagged.empty(1))")
+        out["pos_stamp"] = r
+    return [out]
 
 
 register(TaskType(
     name="pos_advance", id=96,
-    params=(ptr("pos", "i32", "out"), ptr("pos_next", "i32", "inout")),
+    params=(ptr("pos", "i32", "out"), ptr("pos_next", "i32", "inout"),
+            ptr("pos_stamp", "bf16", "out", optional=True, tagged=True)),
     source="tasks/pos_advance.cuh", reference=_pos_advance_ref, split=_pos_advance_split,
     cost=lambda **_: Cost(bytes=12),
-    doc="pos[0] = pos_next[0]; pos_next[0] += 1 (the decode position, advanced on the device)."), builtin=True)
+    doc="pos[0] = pos_next[0]; pos_next[0] += 1 (the decode position, advanced on the device). With pos_stamp (one "
+        "tagged word), the word then gets this step's tag: a reader outside the event graph (the weight "
+        "stream's producer, loading attention's K/V rows ahead) polls it before it reads pos."), builtin=True)
 
 
 def _token_record_ref(p) -> None:

@@ -346,8 +346,8 @@ __device__ __forceinline__ bool stream_open(const Plan& plan, WarpStream& ws, in
 }  // namespace dense
 
 // Producer lane: issue compute warp `warp`'s next stage of the open entry into `slot` (evict-first in L2:
-// each weight byte is read once).
-__device__ __forceinline__ bool stream_format_next(WarpStream& ws, int warp, int slot) {
+// each weight byte is read once). The "dense" format of the generated stream_format_next().
+__device__ __forceinline__ bool dense_stage_next(WarpStream& ws, int warp, int slot) {
   dense::DenseStreamState& s = *reinterpret_cast<dense::DenseStreamState*>(ws.cursor);
   dense::StageCursor& st = s.st;
   if (!st.live) return false;

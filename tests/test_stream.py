@@ -49,6 +49,36 @@ def test_auto_depth_follows_the_shared_memory_left():
         assert stream.static_reserve(cfg, 6) - stream.static_reserve(cfg, 5) == 16 * threads // 32
 
 
+def test_attention_k_v_on_the_stream_only_when_asked():
+    """MEGART_STREAM_KV=1 (with the stream on) puts attention_decode on the stream in its "kv" format: its own
+    64 KB ring is off then (its instances keep only the merge's shared memory), and its staged row is static
+    memory the ring is sized against. Without the stream, or by default, attention keeps its ring."""
+    from megart.tasks.attention import SMEM_ATTN_MERGE, attn_ring_bytes
+    types = _types("gemv_m1", "qkv_rope_append", "attention_decode")
+    on = KernelConfig(defines={"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_KV": 1})
+    lay = stream.layout(types, on)
+    assert lay.types == ("gemv_m1", "qkv_rope_append", "attention_decode") and lay.slots == 5
+    assert attn_ring_bytes(on) == 0 and registry.get("attention_decode").shared_bytes(on) == SMEM_ATTN_MERGE
+    assert stream.static_reserve(on, 5) == stream.static_reserve(KernelConfig(), 5) + stream.ATTN_TAGGED_STATIC
+    assert lay.offset + lay.ring_bytes(256) <= stream.SMEM_PER_BLOCK - stream.static_reserve(on, lay.slots)
+    for cfg in (KernelConfig(defines={"MEGART_STREAM_SLOTS": "auto"}), KernelConfig(defines={"MEGART_STREAM_KV": 1}),
+                KernelConfig(defines={"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_KV": 0})):
+        assert not stream.kv_streamed(cfg) and attn_ring_bytes(cfg) == 64 * 1024
+        assert "attention_decode" not in stream.layout(types, cfg).types
+    # a candidate attention body is not streamed (it need not read the stream's stages)
+    assert "attention_decode" not in stream.layout(types, on, {"attention_decode": "/x/cand.cuh"}).types
+    src = codegen.generate(types, on).text
+    assert "return megart_attn::kv_stream_open(p, ws, warp);" in src
+    assert "if (ws.format == 0) return dense_stage_next(ws, warp, slot);" in src
+    assert "return megart_attn::kv_stage_next(ws, warp, slot);" in src
+
+
+def test_an_unknown_stream_format_is_named():
+    bad = registry.get("gemv_m1").__class__(**{**registry.get("gemv_m1").__dict__, "stream_format": "rows"})
+    with pytest.raises(ValueError, match="stream_format 'rows'"):
+        codegen.stream_open([bad])
+
+
 def test_the_tagged_attention_form_takes_its_static_shared_memory_from_the_ring():
     """attention_decode's tagged form (MEGART_ATTN_TAGGED, set from the graph) stages a row in static shared
     memory: the ring is sized against it, and the Llama kernels keep their 5 slots."""
@@ -176,7 +206,7 @@ def test_generated_source():
     for name in ("gemv_m1", "gate_up_silu"):
         t = registry.get(name)
         assert f"struct StreamOn<::{t.struct_name}>" in src
-        assert f"case {t.id}: return megart::dense::stream_open(plan_{name}(" in src
+        assert f"case {t.id}: {{" in src and f"return dense::stream_open(plan_{name}(p), ws, warp)" in src
         assert f"case {t.id}: megart_prefetch_{name}(" not in src          # the stream is its prefetch
     assert "StreamOn<::megart_params_copy>" not in src
     assert "#define __syncthreads() megart::cta_sync()" in src
@@ -225,15 +255,18 @@ def test_llama_step_streams_every_weighted_projection(cfg_name):
     # (explicit depths: "auto" may decline the stream of a tiny kernel that spills under the register split)
     for name, defines in (("registers", {"MEGART_STREAM_SLOTS": 0}), ("stream", {"MEGART_STREAM_SLOTS": 5}),
                           ("stream8k", {"MEGART_STREAM_SLOTS": 2, "MEGART_STREAM_STAGE": 256}),
-                          ("lane0_free", {"MEGART_STREAM_SLOTS": 5, "MEGART_STREAM_FREE": 0})):
+                          ("lane0_free", {"MEGART_STREAM_SLOTS": 5, "MEGART_STREAM_FREE": 0}),
+                          ("kv", {"MEGART_STREAM_SLOTS": 5, "MEGART_STREAM_KV": 1}),
+                          ("kv_small", {"MEGART_STREAM_SLOTS": 8, "MEGART_STREAM_STAGE": 64, "MEGART_STREAM_KV": 1})):
         m = llama.LlamaModel(cfg, device="cpu", nw=4, kv=clone_kv(prefix), defines=defines)
         m.pk.compile()
         lay = m.pk.stream_layout()
         assert ("qkv_rope_append" in lay.types) == (name != "registers"), (name, lay)
+        assert ("attention_decode" in lay.types) == name.startswith("kv"), (name, lay)
         torch.manual_seed(0)
         outs[name] = {k: v.clone() for k, v in dense_hostsim.run(m.pk, steps=1).items()}
     assert outs["registers"].keys() == outs["stream"].keys()
-    for name in ("stream", "stream8k", "lane0_free"):
+    for name in ("stream", "stream8k", "lane0_free", "kv", "kv_small"):
         for k, v in outs["registers"].items():
             assert torch.equal(outs[name][k], v), (name, k)
 

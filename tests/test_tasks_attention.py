@@ -671,3 +671,23 @@ def test_qkv_fold_rejects():
         pk.task("qkv_rope_append", **args, parts=t["k"].ref(0, 2 * d), tp=2,
                 x_out=pk.tensor(torch.zeros(d, dtype=torch.bfloat16), "x_out"))
     assert len(pk.graph.instances) == before
+
+
+def test_pos_stamp_is_one_tagged_word_and_chooses_the_forms_compiled_in():
+    """pos_stamp (pos_advance's stamp, which the weight stream's producer polls before it loads attention's
+    K/V ahead) must be one tagged word, for both types; an instance without it has its own K/V path compiled
+    in (MEGART_ATTN_UNSTAMPED), so a kernel whose attention is all stamped carries only the streamed one."""
+    from megart import tagged
+    sh, ms = SHAPES[64], 2048
+    pk, t, _, C = attention_only(sh, ms, 100, nw=NW)
+    base = dict(q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], part_o=t["po"], part_ml=t["pm"],
+                n_q=sh["n_q"], n_kv=sh["n_kv"], hd=sh["hd"])
+    plain = pk.tensor(torch.zeros(1, dtype=torch.int32), "plain_stamp")
+    two = pk.tensor(tagged.empty(2), "two_stamps", tagged=True)
+    _raises(lambda: pk.task("attention_decode", **base, pos_stamp=plain), "pos_stamp must be one tagged word")
+    _raises(lambda: pk.task("attention_decode", **base, pos_stamp=two), "pos_stamp must be one tagged word")
+    _raises(lambda: pk.task("pos_advance", pos=t["pos"], pos_next=plain, pos_stamp=plain),
+            "pos_stamp must be one tagged word")
+    attn = megart.registry.get("attention_decode")
+    assert attn.macros_for([{"pos_stamp": None}, {"pos_stamp": two}]) == {"MEGART_ATTN_UNSTAMPED": 1}
+    assert attn.macros_for([{"pos_stamp": two, "k_new": two}]) == {"MEGART_ATTN_TAGGED": 1}

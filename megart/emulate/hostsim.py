@@ -269,10 +269,12 @@ def _case(t: registry.TaskType, streamed: bool) -> str:
     return f"    case {t.id}: inst = [=] {{ {pre}{t.body_name}(*{s}, smem);{post} }}; break;"
 
 
-def source(types: list, threads: int = 256, overrides: dict | None = None, defines: dict | None = None) -> str:
+def source(types: list, threads: int = 256, overrides: dict | None = None, defines: dict | None = None,
+           streamed: tuple | None = None) -> str:
     """The host translation unit: prelude, layout, then (like codegen) each type's params struct and
     device source (`overrides`: task name -> replacement source, as PersistentKernel(source_overrides=);
-    `defines`: the kernel's macros, e.g. the weight ring's slot count)."""
+    `defines`: the kernel's macros, e.g. the weight ring's slot count; `streamed`: the names of the types on
+    the weight stream, as the kernel's layout has them; by default every stream type not overridden)."""
     from ..codegen import params_struct, stream_open
     overrides = overrides or {}
     defines = defines or {}
@@ -280,8 +282,12 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
     parts = [f"#define MEGART_THREADS {threads}\n{macros}", PRELUDE, layout_header(),
              read_source("csrc/tile_helpers.cuh")[0], read_source("csrc/weight_stream.cuh")[0],
              read_source("csrc/tagged.cuh")[0]]
-    streamed = [t for t in types if t.stream and t.name not in overrides] \
-        if int(defines.get("MEGART_STREAM_SLOTS", 0)) > 0 else []
+    if int(defines.get("MEGART_STREAM_SLOTS", 0)) <= 0:
+        streamed = []
+    elif streamed is None:
+        streamed = [t for t in types if t.stream and t.name not in overrides]
+    else:
+        streamed = [t for t in types if t.name in streamed]
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared headers once, as codegen does
         parts.append(registry.header_prelude(rel) + read_source(overrides.get(rel, rel))[0])
     seen = set()
@@ -326,11 +332,11 @@ def simulated_types() -> list:
 
 
 def library(types: list | None = None, threads: int = 256, overrides: dict | None = None,
-            defines: dict | None = None) -> ctypes.CDLL:
+            defines: dict | None = None, streamed: tuple | None = None) -> ctypes.CDLL:
     """The host-compiled bodies of `types` (default: every simulated type), cached on disk by the hash of
     the translation unit and the compiler, and per process."""
     types = simulated_types() if types is None else types
-    src = source(types, threads, overrides, defines)
+    src = source(types, threads, overrides, defines, streamed)
     cxx = os.environ.get("CXX", "g++")
     key = hashlib.sha256((cxx + "\0" + src).encode()).hexdigest()[:24]
     if key in _LIBS:
@@ -391,7 +397,7 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
     cfg = pk.kernel_config()
     defines = kernel_defines(pk.task_types, cfg, pk.source_overrides)   # the macros codegen gave the kernel
     lay = stream_layout(pk.task_types, cfg, pk.source_overrides)
-    lib = library(sim, pk.threads, overrides, defines) if sim else None   # (None: references only)
+    lib = library(sim, pk.threads, overrides, defines, lay.types) if sim else None   # (None: references only)
     desc, starts = pack_descriptors(s)
     off = header_offsets()
     hdr = desc[:, : HEADER_INTS // 2].view(np.int32)

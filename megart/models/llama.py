@@ -48,6 +48,7 @@ import math
 import torch
 
 from .. import PersistentKernel
+from ..stream import kv_streamed
 from .. import tagged as tagged_words
 from ..geometry.attention import attention_chunks
 from .llama_config import (CONFIGS, LlamaConfig, LlamaWeights, block_8b, clone_kv, config, llama_1b,  # noqa: F401
@@ -202,6 +203,9 @@ class LlamaModel:
         z = lambda *shape, dtype=bf: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
         self.pos = z(1, dtype=i32)
         self.pos_next = torch.full((1,), c.prefill, dtype=i32, device=dev)
+        # stamped by pos_advance once pos is written: the weight stream's producer polls it before it loads
+        # attention's K/V rows ahead (tasks/attention_decode.cuh)
+        self.pos_stamp = tagged_words.empty(1, dev)
         self.cos, self.sin = rope_tables(c, dev)
         self.chunks = attention_chunks(c.n_kv, c.max_seq, self.nw, chunks=self.tiles["attn_chunks"])
         # single-assignment residual stream: xs[l] enters layer l, xm[l] is after its attention
@@ -252,7 +256,11 @@ class LlamaModel:
         c, W, T, tl = self.cfg, self.weights, self._tensor, self.tiles
         eps = c.eps
         pos = T(self.pos, "pos")
-        g_pos = self._task("pos_advance", "pos_advance", [], pos=pos, pos_next=T(self.pos_next, "pos_next"))
+        # (only where attention's K/V come through the weight stream: its producer is the stamp's one reader)
+        self._stamp = self.pk.tensor(self.pos_stamp, "pos_stamp", tagged=True) \
+            if kv_streamed(self.pk.kernel_config()) else None
+        g_pos = self._task("pos_advance", "pos_advance", [], pos=pos, pos_next=T(self.pos_next, "pos_next"),
+                           pos_stamp=self._stamp)
         cos, sin = T(self.cos, "rope_cos"), T(self.sin, "rope_sin")
         xs = [T(t, f"x{i}") for i, t in enumerate(self.xs)]
         if c.block:
@@ -333,7 +341,7 @@ class LlamaModel:
         g_att = self._task(p + "attn", "attention_decode", [g_qkv],
                            q=q, k_cache=kct, v_cache=vct, pos=pos, part_o=po, part_ml=pm, n_q=c.n_q,
                            n_kv=c.n_kv, hd=c.hd, max_seq=c.max_seq, chunks=self.chunks,
-                           tiles=self.chunks * c.n_kv, **fused, **new)
+                           tiles=self.chunks * c.n_kv, pos_stamp=self._stamp, **fused, **new)
         self._attn_calls.append((g_att, dict(k_cache=kct, v_cache=vct, **new)))
         if self.merge_fused:
             return a, g_att

@@ -84,3 +84,29 @@ def test_a_stage_that_never_lands_names_the_ring_slot(tmp_path, cuda):
     good, y = gemv()
     good()
     assert geo.relerr(y.cpu(), geo.ref_gemv(w, x)) < 1e-2
+
+
+@pytest.mark.parametrize("name,tagged_attn", [("1b", False), ("1b", True), ("block8b", False)],
+                         ids=["hd64", "hd64-tagged", "hd128-group4"])
+def test_streamed_kv_is_bit_identical_to_the_attention_ring(name, tagged_attn, cuda):
+    """Attention's K/V rows through the weight stream (MEGART_STREAM_KV=1) against attention's own cp.async
+    ring (the default): the same positions per lane in the same batches, so every output bit for bit, over
+    steps whose chunks end inside a stage (2k context: 129 positions per chunk)."""
+    from megart.models import llama
+    cfg = llama.config(name).with_(layers=2)
+    runs = []
+    for defines in ({"MEGART_STREAM_KV": 1}, {}):
+        m = llama.LlamaModel(cfg, device=cuda, defines=defines, tagged_attn=tagged_attn)
+        assert ("attention_decode" in m.pk.stream_layout().types) == bool(defines), defines
+        if cfg.block:
+            xs = llama.make_inputs(cfg, 3, device=cuda)
+            m.reset(cfg.prefill, clear_kv=True)
+            runs.append([m.step(x).clone() for x in xs])
+        else:
+            m.reset(cfg.prefill, token=17, clear_kv=True)
+            runs.append([m.generate(4).clone(), m.logits.clone()])
+        runs[-1] += [k[:, cfg.prefill:cfg.prefill + 4].clone() for k, _ in m.kv]
+        del m
+    assert len(runs[0]) == len(runs[1])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
