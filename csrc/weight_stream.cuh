@@ -19,8 +19,8 @@
 // row pair x up to 256 16-byte chunks), or attention's block of K/V rows (tasks/attention_decode.cuh). The
 // generated megart_stream_open() switch asks the task type of queue entry q where warp w's stages are,
 // once, and sets the format that issues them from then on (the generated stream_format_next() switch).
-// Python (megart/stream.py) sizes the ring and passes its
-// layout in MEGART_STREAM_SLOTS / _OFFSET / _SLOT_BYTES; these headers only static_assert it.
+// Python (megart/stream.py) sizes the ring and passes its layout in MEGART_STREAM_SLOTS / _OFFSET /
+// _SLOT_BYTES; these headers only static_assert it.
 #pragma once
 namespace megart {
 
@@ -129,14 +129,16 @@ constexpr int kStreamWarps = MEGART_THREADS / 32;
 // Producer state of compute warp w (kept by producer lane w) and the warp's read count (kept by warp w).
 struct WarpStream {
   int q;          // queue entry (global descriptor index) whose stages are being issued
-  int fresh;      // 1: `cursor` not yet set up for entry q
-  int format;     // the open entry's stream format (codegen numbers them: STREAM_FORMATS)
+  short fresh;    // 1: `cursor` not yet set up for entry q
+  short format;   // the open entry's stream format (codegen numbers them: STREAM_FORMATS)
   unsigned issued;    // stages issued since the launch began (slot = n % kStreamSlots)
   unsigned consumed;  // stages warp w has read (written by the warp; read at the end)
   unsigned long long cursor[9];  // the stream format's state for entry q (opaque here): where the
                                  // warp is in it and what its rows are, so no stage re-reads descriptors
+#if defined(MEGART_STREAM_KV) && MEGART_STREAM_KV != 0
   const int* pos_at;  // attention's K/V: the pos tensor this lane read this step (null: none yet), and its value
-  int pos;
+  int pos;            // (megart/stream.py's static_reserve counts these 16 bytes per warp)
+#endif
 };
 
 #if MEGART_STREAM_SLOTS > 0
@@ -172,7 +174,9 @@ struct StreamShared {
   int worker, queue_pos, type, instance;  // the instance running now (for a hang record)
   long long* ctrl;
   long long watchdog_ns;
+#if defined(MEGART_STREAM_KV) && MEGART_STREAM_KV != 0
   long long gen;  // this launch's step (the worker loop's generation; 0 in the host simulation)
+#endif
   WarpStream warp[kStreamWarps];
 };
 __shared__ StreamShared s_stream;
@@ -363,13 +367,14 @@ __device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int 
     s_stream.worker = worker;
     s_stream.ctrl = ctrl;
     s_stream.watchdog_ns = watchdog_ns;
+#if defined(MEGART_STREAM_KV) && MEGART_STREAM_KV != 0
 #ifdef __CUDA_ARCH__
     s_stream.gen = ld_relaxed(ctrl + kCtrl_step) + 1;  // (as the worker loop's generation)
 #else
     s_stream.gen = 0;  // (the host simulation's step tag is s_poll's)
 #endif
+#endif
     s_stream.queue_pos = s_stream.type = s_stream.instance = -1;
-
   }
   cta_sync_all();
   const int lane = threadIdx.x & 31;
@@ -386,7 +391,9 @@ __device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int 
     ws.q = q0;
     ws.fresh = 1;
     ws.format = 0;
+#if defined(MEGART_STREAM_KV) && MEGART_STREAM_KV != 0
     ws.pos_at = nullptr;
+#endif
     ws.issued = ws.consumed = 0;
     if (!kProducerWarp) stream_inline_produce(ws, w);
   }

@@ -36,3 +36,12 @@ def stream_requested(cfg: KernelConfig) -> bool:
     it): MEGART_STREAM_SLOTS "auto" or N > 0. Unset or 0: the register engine (a PersistentKernel's
     default; the decode models ask for "auto", see megart/models/llama.py)."""
     return macro_on(cfg, "MEGART_STREAM_SLOTS")
+
+
+def kv_streamed(cfg: KernelConfig) -> bool:
+    """Whether attention_decode's K/V cache rows come through the stream (its "kv" format) in a kernel built
+    with `cfg`: when the stream is on and MEGART_STREAM_KV=1. The rows below pos are read-only in a step, so
+    the producer loads them ahead, while the calls before attention run, and the attention body reads them
+    landed, bit for bit as its own cp.async ring would. Off by default: on the H200 the Llama-1B step
+    measured slower with it (bench/RESULTS.md), so attention keeps its ring."""
+    return stream_requested(cfg) and macro_on(cfg, "MEGART_STREAM_KV")

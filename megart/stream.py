@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import KernelConfig, caller_macros, macro_on, stream_requested
+from .config import KernelConfig, caller_macros, kv_streamed, macro_on, stream_requested
 from .errors import GraphError
 from .layout import HANG_POLL
 from .registry import USER_ID_BASE
@@ -21,6 +21,7 @@ from .registry import USER_ID_BASE
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
 STATIC_BASE = 1792             # static shared memory of the worker beside the ring's mbarriers (descriptor slots,
                                # stream state: 1,632 B at 24 parameter slots) and the padding to codegen.SMEM_ALIGN
+KV_POS_STATIC = 16             # per warp, with attention's K/V on the stream: the pos its producer lane read
 BARRIER_BYTES = 16             # static, per compute warp and slot: its "full" and "empty" mbarriers
 ATTN_TAGGED_STATIC = 528       # and attention_decode's staged new row (its tagged form, or K/V on the stream)
 MAX_SLOTS = 8                  # past this the warps' stages already cover several us of HBM time
@@ -109,15 +110,6 @@ def _forced(cfg: KernelConfig) -> int | None:
     return n
 
 
-def kv_streamed(cfg: KernelConfig) -> bool:
-    """Whether attention_decode's K/V cache rows come through the stream (its "kv" format) in a kernel built
-    with `cfg`: when the stream is on and MEGART_STREAM_KV=1. The rows below pos are read-only in a step, so
-    the producer loads them ahead, while the calls before attention run, and the attention body reads them
-    landed, bit for bit as its own cp.async ring would. Off by default: on the H200 the Llama-1B step
-    measured slower with it (bench/RESULTS.md), so attention keeps its ring."""
-    return stream_requested(cfg) and macro_on(cfg, "MEGART_STREAM_KV")
-
-
 def streams(t, cfg: KernelConfig, overrides: dict) -> bool:
     """Whether task type `t` is on the stream of a kernel built with `cfg` (a type whose body is overridden by
     a candidate is not: its body need not consume the stream)."""
@@ -129,7 +121,9 @@ def static_reserve(cfg: KernelConfig, slots: int) -> int:
     (the ring is sized against it): the slots' mbarriers are static."""
     tagged_attn, waits = macro_on(cfg, "MEGART_ATTN_TAGGED"), macro_on(cfg, "MEGART_STREAM_WAITS")
     warps = cfg.threads // 32
-    return (STATIC_BASE + BARRIER_BYTES * warps * slots + (ATTN_TAGGED_STATIC if tagged_attn or kv_streamed(cfg) else 0)
+    kv = kv_streamed(cfg)
+    return (STATIC_BASE + BARRIER_BYTES * warps * slots + (ATTN_TAGGED_STATIC if tagged_attn or kv else 0)
+            + (warps * KV_POS_STATIC if kv else 0)   # (and the staged new row above)
             + (warps * 16 if waits else 0))  # (the diagnostic's two stamps per warp)
 
 

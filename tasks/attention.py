@@ -484,10 +484,10 @@ def attn_ring_bytes(cfg) -> int:
     when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under LOW_REG_THREADS threads (the body's
     !kLowRegs case), 0 otherwise (the register path, as before the ring). Beside the weight stream too: a
     32 KB ring (6 weight slots instead of 5) measured the same at 2k context and 4% slower at 32k. Where K/V
-    come through the weight stream (stream.kv_streamed) the ring is off: an instance the stream does not
+    come through the weight stream (config.kv_streamed) the ring is off: an instance the stream does not
     carry (no pos_stamp) reads its rows through registers."""
     from ..config import caller_macros
-    from ..stream import kv_streamed
+    from ..config import kv_streamed
     forced = caller_macros(cfg).get("MEGART_ATTN_RING_BYTES")
     if forced is not None:
         return int(forced)

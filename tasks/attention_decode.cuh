@@ -550,7 +550,7 @@ __device__ __forceinline__ void attention_decode_group(const megart_params_atten
   }
 }
 
-#if MEGART_STREAM_SLOTS > 0
+#if MEGART_STREAM_SLOTS > 0 && defined(MEGART_STREAM_KV) && MEGART_STREAM_KV != 0
 // ---- K/V through the weight stream (csrc/weight_stream.cuh's "kv" stage format) ------------------------
 // The cache rows below pos are read-only within a step, so the producer loads them ahead, like weights,
 // while the calls before attention run. Every lane slot (warp w, row rw) attends the positions the ring path
@@ -714,7 +714,7 @@ __device__ __forceinline__ void megart_task_attention_decode(const megart_params
   megart_attn::chunk_range(p, pos, lo, hi);
   // p.group <= 8: the splitter gives a larger GQA group several instances per kv head. Every width is its
   // own instantiation, so q, o and the softmax state are sized exactly: group 3 or 7 pays for 3 or 7 heads.
-#if MEGART_STREAM_SLOTS > 0
+#if MEGART_STREAM_SLOTS > 0 && defined(MEGART_STREAM_KV) && MEGART_STREAM_KV != 0
   // The instances the stream carries (megart_attn::kv_stream_open): all of them unless the graph has one
   // without pos_stamp (MEGART_ATTN_UNSTAMPED), so the other path's code is compiled in only then.
   if (megart_attn::kStreamKv && (!megart_attn::kAttnUnstamped || p.pos_stamp != nullptr)) {

@@ -152,11 +152,8 @@ def test_hostsim_catches_a_divergent_barrier(tmp_path, engine):
                       "  int j = 0;\n  if (threadIdx.x == 3) return;\n  auto consume_segment")
         defines = RING(3)
     elif engine == "stream":    # matvec_stream
-        src = _broken(tmp_path, "  StageCursor st(groups, kc, warp);\n  auto consume_segment = [&](float (&acc)[2]) {\n"
-                      "    const int k = st.k;\n    while (st.live && st.k == k) {\n      const uint4* slot",
-                      "  StageCursor st(groups, kc, warp);\n  if (threadIdx.x == 3) return;\n"
-                      "  auto consume_segment = [&](float (&acc)[2]) {\n"
-                      "    const int k = st.k;\n    while (st.live && st.k == k) {\n      const uint4* slot")
+        src = _broken(tmp_path, "  unsigned j = stream_read_begin(warp);",
+                      "  unsigned j = stream_read_begin(warp);\n  if (threadIdx.x == 3) return;")
         defines = STREAM(2)
     else:                       # matvec
         src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5;\n  if (groups >= kWarps) {",

@@ -48,7 +48,7 @@ import math
 import torch
 
 from .. import PersistentKernel
-from ..stream import kv_streamed
+from ..config import kv_streamed
 from .. import tagged as tagged_words
 from ..geometry.attention import attention_chunks
 from .llama_config import (CONFIGS, LlamaConfig, LlamaWeights, block_8b, clone_kv, config, llama_1b,  # noqa: F401

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import GraphError
-from ..stream import kv_streamed
+from ..config import kv_streamed
 from .llama import LlamaModel, default_tiles
 from .llama_config import LlamaConfig, LlamaWeights, make_kv_cache, make_weights
 
