@@ -324,7 +324,7 @@ __device__ __forceinline__ bool stream_inflight_ok(const WarpStream& ws, int w) 
 enum : int { kStepEnd = 0, kStepMoved = 1, kStepLater = 2 };
 __device__ __forceinline__ int stream_step(WarpStream& ws, int warp) {
   if (ws.q >= s_stream.q1) return kStepEnd;
-  if (ws.fresh) {  // the only descriptor read: once per (warp, entry)
+  if (ws.fresh) {  // the only descriptor read: once per (warp, entry), and again while it opens later
     const int open = megart_stream_open(s_stream.descs[ws.q], ws, warp);
     if (open == kOpenLater) return kStepLater;
     if (open == kOpenNone) {

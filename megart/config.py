@@ -39,9 +39,11 @@ def stream_requested(cfg: KernelConfig) -> bool:
 
 
 def kv_streamed(cfg: KernelConfig) -> bool:
-    """Whether attention_decode's K/V cache rows come through the stream (its "kv" format) in a kernel built
-    with `cfg`: when the stream is on and MEGART_STREAM_KV=1. The rows below pos are read-only in a step, so
-    the producer loads them ahead, while the calls before attention run, and the attention body reads them
-    landed, bit for bit as its own cp.async ring would. Off by default: on the H200 the Llama-1B step
-    measured slower with it (bench/RESULTS.md), so attention keeps its ring."""
+    """Whether a kernel built with `cfg` asks for attention_decode's K/V cache rows through the stream (its
+    "kv" format): the stream asked for and MEGART_STREAM_KV=1. Attention's own ring is then off, and the
+    models pass pos_stamp; where the layout streams nothing after all (no room for 2 slots, user task types)
+    or attention's body is a candidate's, its instances read their rows through registers. The rows below
+    pos are read-only in a step, so the producer loads them ahead, while the calls before attention run, and
+    the attention body reads them landed, bit for bit as its own cp.async ring would. Off by default: on
+    the H200 the Llama-1B step measured slower with it (bench/RESULTS.md), so attention keeps its ring."""
     return stream_requested(cfg) and macro_on(cfg, "MEGART_STREAM_KV")

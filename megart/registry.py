@@ -222,8 +222,8 @@ def register(t: TaskType, *, builtin: bool = False) -> TaskType:
     _validate(t, builtin)   # (the built-ins are in already: megart/__init__ registers them first)
     old = _BY_NAME.get(t.name)
     if old is not None:
-        if (old.id, old.source, old.params, old.prewait, old.prefetch, old.stream) == (
-                t.id, t.source, t.params, t.prewait, t.prefetch, t.stream):
+        if (old.id, old.source, old.params, old.prewait, old.prefetch, old.stream, old.stream_format) == (
+                t.id, t.source, t.params, t.prewait, t.prefetch, t.stream, t.stream_format):
             return old
         raise RegistryError(f"task name {t.name!r} is already registered (id {old.id})")
     if t.id in _BY_ID:

@@ -153,6 +153,7 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
     # MEGART_STREAM_STAGE: 128 by default (a slot holds 4 KB, half a 2048-wide bf16 row pair)
     chunks = _choice(cfg, "MEGART_STREAM_STAGE", STAGE_CHUNKS, "16-byte chunks per row in one weight-stream stage",
                      DEFAULT_STAGE_CHUNKS)
+    _check_kv_stage(types, names, cfg, chunks)
     if forced is not None:
         slots = forced
     elif cfg.min_blocks > 1:
@@ -180,6 +181,22 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
     _choice(cfg, "MEGART_STREAM_FREE", (0, 1, 2), "how a warp frees a slot: lane 0 arrives on its mbarrier (0), a "
             "release store of the warp's read count (1), every lane arrives (2, the default)", 2)
     return lay
+
+
+def _check_kv_stage(types, names, cfg: KernelConfig, chunks: int) -> None:
+    """Attention's K/V on the stream: a stage holds UB steps of each warp's rows (UB = slot bytes / 1 KB at any
+    head size), read in the batches of attention's own ring at its default size (RU positions: 4, 2 or 1 by
+    the thread count); the stage must hold whole batches (tasks/attention_decode.cuh static_asserts it)."""
+    if not any(t.name in names and t.stream_format == "kv" for t in types):
+        return
+    from .tasks.attention import ATTN_RING
+    ring_positions = ATTN_RING // (cfg.threads * 32)
+    ru = 4 if ring_positions >= 16 else 2 if ring_positions >= 8 else 1
+    ub = slot_bytes(chunks) // 1024
+    if ub < ru or ub % ru:
+        raise GraphError(f"MEGART_STREAM_KV=1 with MEGART_STREAM_STAGE={chunks} at {cfg.threads} threads: a K/V "
+                         f"stage would hold {ub} steps of each warp's rows, not whole batches of attention's {ru}; "
+                         "use a larger MEGART_STREAM_STAGE, or MEGART_STREAM_KV=0")
 
 
 def _choice(cfg: KernelConfig, name: str, allowed: tuple, what: str, default: int) -> int:

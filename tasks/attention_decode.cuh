@@ -585,6 +585,11 @@ static_assert(sizeof(KvStreamState) <= sizeof(megart::WarpStream::cursor), "KvSt
 // Producer lane, once per (warp, entry): kOpenLater until pos_advance has stamped this step's pos.
 __device__ __forceinline__ int kv_stream_open(const megart_params_attention_decode& p, megart::WarpStream& ws, int warp) {
   if (p.pos_stamp == nullptr || (p.hd != 64 && p.hd != 128)) return megart::kOpenNone;  // (the body reads its rows)
+  // (the bodies this kernel compiles, as attention_stream_group: an instance with none reads no stage)
+#ifdef MEGART_ATTN_HD_ONLY
+  if (p.hd != MEGART_ATTN_HD_ONLY) return megart::kOpenNone;
+#endif
+  if (p.group < 1 || p.group > 8 || !((MEGART_ATTN_GROUP_MASK >> p.group) & 1)) return megart::kOpenNone;
   int pos = ws.pos;  // (read once per launch and pos tensor: it is this step's for every entry)
   if (ws.pos_at != p.pos) {
     const unsigned stamp = megart::ld_relaxed_u32(reinterpret_cast<const unsigned*>(p.pos_stamp));
@@ -657,7 +662,6 @@ __device__ __forceinline__ void attention_stream_body(const megart_params_attent
   unsigned j = megart::stream_read_begin(warp);
   for (int k0 = 0; lo + k0 * SLOTS + warp * RPW < hi; k0 += UB) {  // (the producer's stages, kv_stage_next)
     const char* stage = megart::stream_acquire(warp, j);
-#pragma unroll
 #pragma unroll 1
     for (int i = 0; i < UB / RU; ++i) {
       KVec<VEC> kv[RU], vv[RU];

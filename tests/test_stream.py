@@ -74,6 +74,16 @@ def test_attention_k_v_on_the_stream_only_when_asked():
     assert "return megart_attn::kv_stage_next(ws, warp, slot);" in src
 
 
+def test_a_k_v_stage_too_small_for_attentions_batches_is_named():
+    """At 128 threads attention's ring reads 4 positions per batch; a 2 KB stage holds 2 steps of a warp's rows:
+    refused before NVRTC (the device code static_asserts the same)."""
+    types = _types("gemv_m1", "attention_decode")
+    small = {"MEGART_STREAM_SLOTS": 2, "MEGART_STREAM_KV": 1, "MEGART_STREAM_STAGE": 64}
+    with pytest.raises(GraphError, match="MEGART_STREAM_STAGE=64 at 128 threads"):
+        stream.layout(types, KernelConfig(threads=128, defines=small))
+    assert "attention_decode" in stream.layout(types, KernelConfig(threads=256, defines=small)).types
+
+
 def test_an_unknown_stream_format_is_named():
     bad = registry.get("gemv_m1").__class__(**{**registry.get("gemv_m1").__dict__, "stream_format": "rows"})
     with pytest.raises(ValueError, match="stream_format 'rows'"):

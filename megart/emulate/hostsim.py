@@ -274,7 +274,8 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
     """The host translation unit: prelude, layout, then (like codegen) each type's params struct and
     device source (`overrides`: task name -> replacement source, as PersistentKernel(source_overrides=);
     `defines`: the kernel's macros, e.g. the weight ring's slot count; `streamed`: the names of the types on
-    the weight stream, as the kernel's layout has them; by default every stream type not overridden)."""
+    the weight stream, as the kernel's layout has them; by default every stream type not overridden, the
+    "kv" format only with MEGART_STREAM_KV, as megart/stream.py's layout)."""
     from ..codegen import params_struct, stream_open
     overrides = overrides or {}
     defines = defines or {}
