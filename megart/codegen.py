@@ -102,9 +102,9 @@ def stream_open(types: list[TaskType]) -> str:
         number, open_expr, _ = STREAM_FORMATS[t.stream_format]
         cases.append(f"    case {t.id}: {{\n      const auto& p = *reinterpret_cast<const {t.struct_name}*>(d.params);\n"
                      f"      ws.format = {number};\n      return {open_expr.format(plan=t.plan_name)};\n    }}")
-    used = sorted({STREAM_FORMATS[t.stream_format][:3:2] for t in types})   # (number, next function)
-    nexts = "".join(f"  if (ws.format == {n}) return {fn}(ws, warp, slot);\n" for n, fn in used[:-1])
-    nexts += f"  return {used[-1][1]}(ws, warp, slot);\n" if used else "  return false;\n"
+    used = sorted({(STREAM_FORMATS[t.stream_format][0], STREAM_FORMATS[t.stream_format][2]) for t in types})
+    nexts = "".join(f"  if (ws.format == {n}) return {fn}(ws, warp, slot);\n" for n, fn in used[:-1])   # (the last
+    nexts += f"  return {used[-1][1]}(ws, warp, slot);\n" if used else "  return false;\n"       # format: no test)
     return ("namespace megart {\n"
             "__device__ __noinline__ int megart_stream_open(const TaskDesc& d, WarpStream& ws, int warp) {\n"
             "  switch (d.hdr[kHdr_type]) {\n" + "\n".join(cases) + "\n"

@@ -29,7 +29,7 @@ from ..tensors import as_ref
 from .dense_common import (HEADERS as DENSE_HEADERS, SCRATCH_BYTES as DENSE_SCRATCH, FOLD_PARAMS, fold_pieces,
                            fold_ref, nbytes, opt_ref)
 from .shapes import check_shape
-from .tiling import even_tiles, require
+from .tiling import even_tiles, pos_stamp_ref, require
 
 ATTN_HD = (64, 128)
 ATTN_MAX_GROUP = 16       # n_q / n_kv; an instance serves at most ATTN_SUBGROUP of them
@@ -344,12 +344,7 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
     fused = _fused_refs(T, out, arrivals, n_q, n_kv, hd, group, nch)
     tagged_out = int(out is not None and as_ref(out, "out").tensor.tagged)
     new = _new_rows(T, qr, k_new, v_new, n_kv, hd)   # the tagged form: q and the new rows polled
-    stamp = None
-    if pos_stamp is not None:   # (pos_advance's stamp: the weight stream's producer reads pos once it is there)
-        sr = as_ref(pos_stamp, "pos_stamp")
-        require(sr.tensor.tagged and sr.count == 1, T, "pos_stamp must be one tagged word (megart.tagged.empty(1)), "
-                "the one pos_advance stamps")
-        stamp = sr
+    stamp = pos_stamp_ref(T, pos_stamp)   # (the weight stream's producer reads pos once it is stamped)
     res = []
     for h in range(n_kv):
         k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
@@ -486,8 +481,7 @@ def attn_ring_bytes(cfg) -> int:
     32 KB ring (6 weight slots instead of 5) measured the same at 2k context and 4% slower at 32k. Where K/V
     come through the weight stream (config.kv_streamed) the ring is off: an instance the stream does not
     carry (no pos_stamp) reads its rows through registers."""
-    from ..config import caller_macros
-    from ..config import kv_streamed
+    from ..config import caller_macros, kv_streamed
     forced = caller_macros(cfg).get("MEGART_ATTN_RING_BYTES")
     if forced is not None:
         return int(forced)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..registry import Cost, TaskType, ptr, register, scalar
 from ..tensors import as_ref
-from .tiling import require
+from .tiling import pos_stamp_ref, require
 
 
 def _one(task, value, name):
@@ -27,13 +27,8 @@ def _pos_advance_ref(p) -> None:
 
 def _pos_advance_split(nw, tiles=1, pos=None, pos_next=None, pos_stamp=None):
     require(tiles == 1, "pos_advance", "is a single instance (tiles=1)")
-    out = dict(pos=_one("pos_advance", pos, "pos"), pos_next=_one("pos_advance", pos_next, "pos_next"), pos_stamp=None)
-    if pos_stamp is not None:
-        r = as_ref(pos_stamp, "pos_stamp")
-        require(r.tensor.tagged and r.count == 1, "pos_advance",
-                "pos_stamp must be one tagged word (megart.tagged.empty(1))")
-        out["pos_stamp"] = r
-    return [out]
+    return [dict(pos=_one("pos_advance", pos, "pos"), pos_next=_one("pos_advance", pos_next, "pos_next"),
+                 pos_stamp=pos_stamp_ref("pos_advance", pos_stamp))]
 
 
 register(TaskType(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..errors import GraphError
+from ..tensors import as_ref
 
 
 def even_tiles(n: int, tiles: int, align: int = 1) -> list[tuple[int, int]]:
@@ -23,3 +24,13 @@ def require(cond: bool, task: str, message: str) -> None:
     """Refuse a shape or argument a task body cannot handle, at graph-build time."""
     if not cond:
         raise GraphError(f"{task}: {message}")
+
+
+def pos_stamp_ref(task: str, pos_stamp):
+    """pos_advance's stamp (pos_advance writes it, attention_decode's weight-stream producer polls it), as a ref:
+    one tagged word; None when not given."""
+    if pos_stamp is None:
+        return None
+    r = as_ref(pos_stamp, "pos_stamp")
+    require(r.tensor.tagged and r.count == 1, task, "pos_stamp must be one tagged word (megart.tagged.empty(1))")
+    return r

@@ -285,9 +285,11 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
              read_source("csrc/tagged.cuh")[0]]
     if int(defines.get("MEGART_STREAM_SLOTS", 0)) <= 0:
         streamed = []
-    elif streamed is None:   # (as megart/stream.py's layout: attention's K/V format only with MEGART_STREAM_KV)
-        kv = str(defines.get("MEGART_STREAM_KV", "0")).strip() not in ("0", "")
-        streamed = [t for t in types if t.stream and t.name not in overrides and (t.stream_format != "kv" or kv)]
+    elif streamed is None:   # (the layout's rule: megart/stream.py)
+        from ..config import KernelConfig
+        from ..stream import streams
+        cfg = KernelConfig(threads=threads, defines=defines)
+        streamed = [t for t in types if streams(t, cfg, overrides)]
     else:
         streamed = [t for t in types if t.name in streamed]
     for rel in dict.fromkeys(h for t in types for h in t.headers):   # shared headers once, as codegen does

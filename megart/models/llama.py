@@ -256,11 +256,7 @@ class LlamaModel:
         c, W, T, tl = self.cfg, self.weights, self._tensor, self.tiles
         eps = c.eps
         pos = T(self.pos, "pos")
-        # (only where attention's K/V come through the weight stream: its producer is the stamp's one reader)
-        self._stamp = self.pk.tensor(self.pos_stamp, "pos_stamp", tagged=True) \
-            if kv_streamed(self.pk.kernel_config()) else None
-        g_pos = self._task("pos_advance", "pos_advance", [], pos=pos, pos_next=T(self.pos_next, "pos_next"),
-                           pos_stamp=self._stamp)
+        g_pos = self._pos_advance(pos)
         cos, sin = T(self.cos, "rope_cos"), T(self.sin, "rope_sin")
         xs = [T(t, f"x{i}") for i, t in enumerate(self.xs)]
         if c.block:
@@ -303,6 +299,14 @@ class LlamaModel:
             g_am = self._task("argmax", "argmax_reduce", [g_lm], token=token, part_val=pv, part_idx=pi)
             self._task("token_record", "token_record", [g_am],
                        history=T(self.history, "history"), token=token, pos=pos)
+
+    def _pos_advance(self, pos):
+        """The step's first task: pos = pos_next, pos_next + 1, and pos_stamp stamped where attention's K/V come
+        through the weight stream (its producer is the stamp's one reader; self._stamp, for attention)."""
+        self._stamp = self.pk.tensor(self.pos_stamp, "pos_stamp", tagged=True) \
+            if kv_streamed(self.pk.kernel_config()) else None
+        return self._task("pos_advance", "pos_advance", [], pos=pos,
+                          pos_next=self.pk.tensor(self.pos_next, "pos_next"), pos_stamp=self._stamp)
 
     def _kv_commits(self, pos):
         """tagged_attn: each layer's new k/v rows appended to its caches, after the layer's attention call (which

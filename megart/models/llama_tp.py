@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import GraphError
-from ..config import kv_streamed
 from .llama import LlamaModel, default_tiles
 from .llama_config import LlamaConfig, LlamaWeights, make_kv_cache, make_weights
 
@@ -167,10 +166,7 @@ class LlamaTPRank(LlamaModel):
         c, W, T, tl = self.cfg, self.weights, self.pk.tensor, self.tiles
         eps, r = c.eps, self.rank
         pos = T(self.pos, "pos")
-        self._stamp = self.pk.tensor(self.pos_stamp, "pos_stamp", tagged=True) \
-            if kv_streamed(self.pk.kernel_config()) else None
-        g_pos = self._task("pos_advance", "pos_advance", [], pos=pos, pos_next=T(self.pos_next, "pos_next"),
-                           pos_stamp=self._stamp)
+        g_pos = self._pos_advance(pos)
         cos, sin = T(self.cos, "rope_cos"), T(self.sin, "rope_sin")
         xs = [T(t, f"x{i}") for i, t in enumerate(self.xs)]
         token = T(self.token, "token")
