@@ -144,7 +144,8 @@ __device__ __noinline__ void raise_hang(long long* ctrl, const WaitSite& s, int 
 // MEGART_DIAG_NO_WAIT (a measurement aid, never a default): bit 0 makes every event wait pass at once, bit 1
 // every tagged poll. The step then computes garbage, but streams the same bytes through the same instances,
 // so its time is what the partition and the bodies cost without the dependency chain. Bit 2 keeps the chain
-// and drops attention's K/V reads instead (tasks/attention_decode.cuh).
+// and drops attention's K/V reads instead (tasks/attention_decode.cuh). Bit 3 keeps chain and stream and
+// drops the streamed dots' arithmetic (tasks/dense_engines.cuh): what a consumer faster than HBM would give.
 #ifndef MEGART_DIAG_NO_WAIT
 #define MEGART_DIAG_NO_WAIT 0
 #endif
