@@ -47,7 +47,8 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-MODEL_OPTIONS = ("deps", "attn_merge", "attn_chunks", "tagged", "tagged_attn")   # attn_chunks: the model's tiles["attn_chunks"]
+MODEL_OPTIONS = ("deps", "attn_merge", "attn_chunks", "tagged", "tagged_attn", "threads")   # attn_chunks: the model's
+#                                                                                           tiles["attn_chunks"]
 
 
 def split_variant(variant: dict) -> tuple[dict, dict]:
@@ -56,6 +57,8 @@ def split_variant(variant: dict) -> tuple[dict, dict]:
     if unknown:
         raise SystemExit(f"stream_bench: {unknown} are neither MEGART_* macros nor model options {MODEL_OPTIONS}")
     model = {k: v for k, v in variant.items() if k in MODEL_OPTIONS}
+    if "threads" in model:
+        model["threads"] = int(model["threads"])
     if "attn_chunks" in model:
         model["tiles"] = {"attn_chunks": int(model.pop("attn_chunks"))}
     for k in ("tagged", "tagged_attn"):   # tagged=1 / tagged_attn=0: the model's tagged vectors (megart/tagged.py)

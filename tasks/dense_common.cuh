@@ -139,6 +139,9 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
                                         bool tagged = false) {
   const int kc = k >> 3;
   float ss = 0.f;
+  // The gain's first chunk per thread (all of it at k <= 8 * threads) is loaded before x, so its round trip
+  // overlaps x's instead of following the sum of squares (the 1B step: -5 us, bench/RESULTS.md).
+  const uint4 g_first = norm && (int)threadIdx.x < kc ? ld_weight(g + 8 * threadIdx.x) : make_uint4(0u, 0u, 0u, 0u);
   for (int c = threadIdx.x; c < kc; c += MEGART_THREADS) {
     uint4 v = tagged ? ld_tagged8(x, 8 * c) : ld_act(x + 8 * c);
     if (sum.parts != nullptr) {
@@ -167,7 +170,7 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
     for (int c = threadIdx.x; c < kc; c += MEGART_THREADS) {
       float f[8], h[8];
       unpack8(xs[c], f);
-      unpack8(ld_weight(g + 8 * c), h);
+      unpack8(c == (int)threadIdx.x ? g_first : ld_weight(g + 8 * c), h);
 #pragma unroll
       for (int i = 0; i < 8; ++i) f[i] = f[i] * rstd * h[i];
       xs[c] = pack8(f);

@@ -58,6 +58,14 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
   uint4* xs = dn::xs_of(smem);
   float* scratch = dn::scratch_of(smem);
   float* dots = reinterpret_cast<float*>(smem + dn::kScratchBytes + 2 * at::kQkvMaxD);  // [np] lo, then [np] hi
+  // Pair j = threadIdx.x's cos / sin (every pair's where np <= threads, as in every splitter's instance) are
+  // loaded before x is staged: their round trip then overlaps x's, not the epilogue's (bench/RESULTS.md).
+  float c_first = 1.f, s_first = 0.f;
+  if ((p.mode & at::kModeRope) && (int)threadIdx.x < np && pos >= 0 && pos < p.max_seq) {
+    const long long t = (long long)pos * half + p.pair0 + threadIdx.x;
+    c_first = p.cos[t];
+    s_first = p.sin[t];
+  }
   dn::PartsSum sum;  // a folded all-reduce: x + the ranks' partials is staged, this instance's piece stored
   if (p.mode & at::kModeParts) sum = dn::PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
   dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch, sum,
@@ -100,7 +108,8 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
     float out_lo = lo, out_hi = hi;
     if (p.mode & at::kModeRope) {  // rotate-half RoPE on the pair (j, j + half), fp32
       const long long t = (long long)pos * half + p.pair0 + j;
-      const float c = p.cos[t], s = p.sin[t];
+      const bool first = j == (int)threadIdx.x;
+      const float c = first ? c_first : p.cos[t], s = first ? s_first : p.sin[t];
       out_lo = lo * c - hi * s;
       out_hi = hi * c + lo * s;
     }
