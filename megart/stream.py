@@ -19,8 +19,10 @@ from .layout import HANG_POLL
 from .registry import USER_ID_BASE
 
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
-STATIC_BASE = 1792             # static shared memory of the worker beside the ring's mbarriers (descriptor slots,
-                               # stream state: 1,632 B at 24 parameter slots) and the padding to codegen.SMEM_ALIGN
+STATIC_BASE = 1088             # static shared memory of the worker beside the ring's mbarriers and the warps' stream
+                               # state (descriptor slots: 1,632 B in all at 8 warps and 24 parameter slots), and the
+                               # padding to codegen.SMEM_ALIGN
+WARP_STATE_BYTES = 88          # per compute warp: its producer state (csrc/weight_stream.cuh WarpStream)
 KV_POS_STATIC = 16             # per warp, with attention's K/V on the stream: the pos its producer lane read
 BARRIER_BYTES = 16             # static, per compute warp and slot: its "full" and "empty" mbarriers
 ATTN_TAGGED_STATIC = 528       # and attention_decode's staged new row (its tagged form, or K/V on the stream)
@@ -122,7 +124,8 @@ def static_reserve(cfg: KernelConfig, slots: int) -> int:
     tagged_attn, waits = macro_on(cfg, "MEGART_ATTN_TAGGED"), macro_on(cfg, "MEGART_STREAM_WAITS")
     warps = cfg.threads // 32
     kv = kv_streamed(cfg)
-    return (STATIC_BASE + BARRIER_BYTES * warps * slots + (ATTN_TAGGED_STATIC if tagged_attn or kv else 0)
+    return (STATIC_BASE + (WARP_STATE_BYTES + BARRIER_BYTES * slots) * warps
+            + (ATTN_TAGGED_STATIC if tagged_attn or kv else 0)
             + (warps * KV_POS_STATIC if kv else 0)   # (and the staged new row above)
             + (warps * 16 if waits else 0))  # (the diagnostic's two stamps per warp)
 

@@ -55,7 +55,14 @@ from .llama_config import (CONFIGS, LlamaConfig, LlamaWeights, block_8b, clone_k
                            llama_1b_fp8, make_inputs, make_kv_cache, make_weights, relerr, rope_tables, tiny)
 
 __all__ = ["LlamaModel", "LlamaConfig", "llama_1b", "llama_1b_fp8", "block_8b", "tiny", "config", "CONFIGS",
-           "make_weights", "make_kv_cache", "default_tiles", "relerr"]
+           "make_weights", "make_kv_cache", "default_tiles", "default_threads", "relerr"]
+
+
+def default_threads(cfg: LlamaConfig) -> int:
+    """Compute threads per worker. fp8 weights: 384 (12 compute warps, 3 weight-stream slots each): their dot loops
+    bound the step and more warps hide their latency (1b_fp8_all 744 -> 735 us/step). bf16: 256 (8 warps, 5
+    slots): its step needs the deeper ring (1b 869 -> 916 us/step at 384). bench/RESULTS.md, fifteenth session."""
+    return 384 if cfg.wdtype == "fp8" else 256
 
 
 def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
@@ -149,7 +156,7 @@ class LlamaModel:
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights | None = None, kv: list | None = None, *,
                  device=None, nw: int | None = None, seed: int = 0, kv_seed: int = 1, init: str = "random",
                  tiles: dict | None = None, deps: str = "infer", kv_refs: str = "partition",
-                 logits: bool = True, profile: bool = False, profile_steps: int = 16, threads: int = 256,
+                 logits: bool = True, profile: bool = False, profile_steps: int = 16, threads: int | None = None,
                  watchdog_s: float | None = None, compile: bool = True, sm_count: int | None = None,
                  defines: dict | None = None, peers=None, attn_merge: str = "auto", tagged: bool | None = None,
                  tagged_attn: bool = False):
@@ -176,7 +183,8 @@ class LlamaModel:
         self.weights = weights if weights is not None else make_weights(cfg, seed, self.device, init)
         self.kv = kv if kv is not None else make_kv_cache(cfg, kv_seed, self.device, init)
         self.pk = PersistentKernel(nw=nw, device=self.device, profile=profile, profile_steps=profile_steps,
-                                   threads=threads, watchdog_s=watchdog_s, sm_count=sm_count,
+                                   threads=default_threads(cfg) if threads is None else threads,
+                                   watchdog_s=watchdog_s, sm_count=sm_count,
                                    defines={**attention_defines(cfg),
                                             **stream_default(defines, self.stream_slots_default),
                                             **(defines or {})}, peers=peers)
