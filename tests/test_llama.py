@@ -172,9 +172,9 @@ def test_full_size_graph_compiles_without_spills(name):
     lay = m.pk.stream_layout()
     assert (lay.slots == 0) == (m.pk.stream_declined is not None), (lay, m.pk.stream_declined)
     if name in ("1b", "1b_fp8", "1b_fp8_split", "1b_fp8_all", "block8b"):
-        # 8 compute warps x 5 slots for bf16 weights, 12 x 3 for fp8 (llama.default_threads)
-        assert m.pk.threads == llama.default_threads(cfg) == (384 if cfg.wdtype == "fp8" else 256)
-        assert lay.slots == (3 if cfg.wdtype == "fp8" else 5)
+        # 8 compute warps x 5 slots, or 12 x 3 where every streamed matrix is e4m3 (llama.default_threads)
+        assert m.pk.threads == llama.default_threads(cfg) == (384 if name == "1b_fp8_all" else 256)
+        assert lay.slots == (3 if name == "1b_fp8_all" else 5)
         assert ("qkv_rope_append_fp8" if cfg.fp8_qkv else "qkv_rope_append") in lay.types
     # the dynamic window (the rings) starts on a 128-byte boundary: ptxas counts the padding as static, and the
     # ring was sized against no less static memory than the kernel has (a misaligned window cost 9-29%)

@@ -59,10 +59,12 @@ __all__ = ["LlamaModel", "LlamaConfig", "llama_1b", "llama_1b_fp8", "block_8b", 
 
 
 def default_threads(cfg: LlamaConfig) -> int:
-    """Compute threads per worker. fp8 weights: 384 (12 compute warps, 3 weight-stream slots each): their dot loops
-    bound the step and more warps hide their latency (1b_fp8_all 744 -> 735 us/step). bf16: 256 (8 warps, 5
-    slots): its step needs the deeper ring (1b 869 -> 916 us/step at 384). bench/RESULTS.md, fifteenth session."""
-    return 384 if cfg.wdtype == "fp8" else 256
+    """Compute threads per worker. Every streamed matrix in e4m3: 384 (12 compute warps, 3 weight-stream slots
+    each): the fp8 dot loops bound that step and more warps hide their latency (1b_fp8_all 741-745 -> 735-737
+    us/step). Any bf16 matrix streamed: 256 (8 warps, 5 slots), whose deeper ring the bf16 calls need (1b 869 ->
+    916 us/step at 384, 1b_fp8 with bf16 QKV and LM head 780-784 -> 791-793). bench/RESULTS.md, fifteenth session."""
+    all_fp8 = cfg.wdtype == "fp8" and cfg.fp8_qkv and (cfg.fp8_head or cfg.block)
+    return 384 if all_fp8 else 256
 
 
 def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
