@@ -34,14 +34,15 @@ def test_off_unless_asked_for_and_on_in_the_decode_models():
 
 
 def test_auto_depth_follows_the_shared_memory_left():
-    """Beside attention's 64 KB K/V ring: 5 slots of 4 KB at 256 threads, 3 at 512 (attention keeps
-    registers there); 8 KB stages: 2; every layout fits the block's shared memory."""
+    """Beside attention's 64 KB K/V ring: 5 slots of 4 KB at 256 threads; 2 at 512 (attention keeps registers
+    there, but 16 warps' stream state and barriers leave 700 B too few for a third); 8 KB stages: 2; every
+    layout fits the block's shared memory."""
     auto = {"MEGART_STREAM_SLOTS": "auto"}
     with_attn = stream.layout(_types("gemv_m1", "qkv_rope_append", "attention_decode"), KernelConfig(defines=auto))
     assert (with_attn.slots, with_attn.types) == (5, ("gemv_m1", "qkv_rope_append"))
     wide = stream.layout(_types("gemv_m1", "attention_decode"), KernelConfig(threads=512, defines=auto))
     big = stream.layout(_types("gemv_m1", "attention_decode"), KernelConfig(defines=auto | {"MEGART_STREAM_STAGE": 256}))
-    assert wide.slots == 3 and big.slots == 2
+    assert wide.slots == 2 and big.slots == 2
     for lay, threads in ((with_attn, 256), (wide, 512), (big, 256)):
         cfg = KernelConfig(threads=threads, defines=auto)
         assert lay.offset + lay.ring_bytes(threads) <= stream.SMEM_PER_BLOCK - stream.static_reserve(cfg, lay.slots)
