@@ -9,7 +9,9 @@ Two tables, medians over the profiled steps after the first:
   passed at once (MEGART_DIAG_NO_WAIT=3) the busiest worker's body time is what the instances alone cost;
   the per-kind rows say which calls make it.
 * one layer's calls: first begin, median end and last end, in us from the step's start (the spread between
-  the median and the last end is the call's straggler tail).
+  the median and the last end is the call's straggler tail);
+* a layer's hops: the same three times of each call after the previous call's last end, medians over the
+  middle layers (what each link of the dependency chain adds to the step).
 """
 from __future__ import annotations
 
@@ -82,6 +84,22 @@ def timeline(records, call_of, labels, step, prefix: str) -> list:
     return rows
 
 
+def hops(records, call_of, labels, step) -> dict:
+    """A layer's chain, one hop per call: for each call kind of the layers "L<n>." (the first and last layer
+    left out where there are three or more), its first begin, median end and last end in us after the previous
+    call's last end (the layer's first call: after the previous layer's last call), medians over the layers."""
+    layers = sorted({int(m.group(1)) for lb in labels if (m := re.match(r"^L(\d+)\.", lb))})
+    mid = layers[1:-1] if len(layers) >= 3 else layers
+    rows: dict = {}
+    prev_end = None
+    for n in layers:
+        for lb, b, me, le in timeline(records, call_of, labels, step, f"L{n}."):
+            if prev_end is not None and n in mid:
+                rows.setdefault(call_kind(lb), []).append((b - prev_end, me - prev_end, le - prev_end))
+            prev_end = le
+    return {k: tuple(float(np.median([r[j] for r in v])) for j in range(3)) for k, v in rows.items()}
+
+
 def _median_of(dicts: list) -> dict:
     out = {k: float(np.median([d[k] for d in dicts])) for k in dicts[0] if k != "kinds"}
     out["kinds"] = {k: tuple(float(np.median([d["kinds"][k][j] for d in dicts])) for j in (0, 1))
@@ -103,6 +121,11 @@ def report(path, layer: int = 1) -> str:
     lines.append(f"  layer {layer}, step {mid} (us from the step's start): first begin / median end / last end")
     lines += [f"  {lb:14s} {b:8.1f} {me:8.1f} {le:8.1f}" for lb, b, me, le in
               timeline(records, call_of, labels, mid, f"L{layer}.")]
+    h = hops(records, call_of, labels, mid)
+    if h:
+        lines.append(f"  a layer's hops, step {mid} (us after the previous call's last end, medians over the middle "
+                     "layers): first begin / median end / last end")
+        lines += [f"  {k:14s} {b:8.1f} {me:8.1f} {le:8.1f}" for k, (b, me, le) in h.items()]
     return "\n".join(lines)
 
 

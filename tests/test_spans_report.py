@@ -37,3 +37,23 @@ def test_per_worker_and_timeline(tmp_path):
     assert np.allclose(tl[0][1:], (0.5, 2.0, 2.5)) and np.allclose(tl[1][1:], (4.5, 8.5, 8.5))
     text = spans_report.report(path, layer=0)
     assert "busiest 5.0" in text and "L0.attn" in text and "L1.qkv" not in text
+
+
+def test_hops_measure_each_call_after_the_previous_calls_last_end(tmp_path):
+    """Three layers of two calls: only the middle layer counts; its first call is measured from the end of the
+    layer before's last call, its second from its first call's last end."""
+    labels = ["L0.a", "L0.b", "L1.a", "L1.b", "L2.a", "L2.b"]
+    call_of = np.arange(6)
+    # (uid, worker, body_begin, body_end) in ns: each call one instance; L0.b ends at 3 us
+    spans = [(0, 0, 1000, 2000), (1, 1, 2000, 3000), (2, 0, 2500, 7000), (3, 1, 7500, 9000),
+             (4, 0, 9000, 10000), (5, 1, 10000, 11000)]
+    rows = [(1, uid, w, bb, bb, be) for uid, w, bb, be in spans]
+    path = tmp_path / "h.npz"
+    np.savez_compressed(path, records=_records(rows), call_of=call_of, labels=np.array(labels))
+    rec, co, lb = spans_report.load(path)
+    h = spans_report.hops(rec, co, lb, 1)
+    assert set(h) == {"a", "b"}
+    # the step starts at 1 us: L1.a begins at 1.5 (0.5 before L0.b's end at 2.0) and ends at 6.0 (4.0 after it);
+    # L1.b begins at 6.5 and ends at 8.0: 0.5 and 2.0 after L1.a's end
+    assert np.allclose(h["a"], (-0.5, 4.0, 4.0)) and np.allclose(h["b"], (0.5, 2.0, 2.0))
+    assert "a layer's hops" in spans_report.report(path, layer=1)
