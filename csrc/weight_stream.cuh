@@ -527,19 +527,17 @@ __device__ __forceinline__ const char* stream_acquire(int warp, unsigned j) {
     __syncwarp();
   }
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  if constexpr (kStreamWaits) {  // (lane 0 times the wait for the stage; stream_release the read)
-    const unsigned long long t0 = globaltimer();
-    stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, -1 - slot, warp, j);
-    if ((threadIdx.x & 31) == 0) {
-      const unsigned long long t1 = globaltimer();
-      if (s_sw_first[warp] == 0) s_sw_first[warp] = t0;
-      s_sw_got[warp] = t1;
-      atomicAdd(&s_span_mark[0], t1 - t0);
-    }
-    return stream_slot(warp, slot);
-  }
+  const unsigned long long t0 = kStreamWaits ? globaltimer() : 0ull;  // (lane 0 times the wait; stream_release the read)
 #endif
   stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, -1 - slot, warp, j);
+#if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
+  if (kStreamWaits && (threadIdx.x & 31) == 0) {
+    const unsigned long long t1 = globaltimer();
+    if (s_sw_first[warp] == 0) s_sw_first[warp] = t0;
+    s_sw_got[warp] = t1;
+    atomicAdd(&s_span_mark[0], t1 - t0);
+  }
+#endif
   return stream_slot(warp, slot);
 }
 
