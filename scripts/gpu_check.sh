@@ -21,4 +21,7 @@ fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   python3 bench/tasks_bench.py --json "$OUT/tasks.json" 2>&1 | tee "$OUT/tasks_bench.log"
   python3 bench/llama_decode.py --out "$OUT/llama_decode" 2>&1 | tee "$OUT/llama_decode.log" | tail -8
+  # the machine-readable result beside the logs too: a caller that takes back only a few files from $OUT (the
+  # first ones by name, top level first) keeps it, not the plots
+  cp "$OUT/llama_decode/llama_decode.json" "$OUT/" 2>/dev/null || true
 fi
