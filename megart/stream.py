@@ -19,9 +19,9 @@ from .layout import HANG_POLL
 from .registry import USER_ID_BASE
 
 SMEM_PER_BLOCK = 232448        # sm_90: 227 KiB of shared memory for one block
-STATIC_BASE = 1088             # static shared memory of the worker beside the ring's mbarriers and the warps' stream
-                               # state (descriptor slots: 1,632 B in all at 8 warps and 24 parameter slots), and the
-                               # padding to codegen.SMEM_ALIGN
+STATIC_BASE = 1088             # the worker's static shared memory other than the ring's mbarriers and the warps'
+                               # stream state (descriptor slots and the stream's header: with 8 warps' state, 1,632 B
+                               # at 24 parameter slots), plus the padding to codegen.SMEM_ALIGN
 WARP_STATE_BYTES = 88          # per compute warp: its producer state (csrc/weight_stream.cuh WarpStream)
 KV_POS_STATIC = 16             # per warp, with attention's K/V on the stream: the pos its producer lane read
 BARRIER_BYTES = 16             # static, per compute warp and slot: its "full" and "empty" mbarriers
