@@ -13,7 +13,10 @@ done; attention: K/V attended / partials stored and arrival counted; summed over
 splits each streamed call's body by where the compute warps spent it instead (MEGART_STREAM_WAITS=1): before
 their first weight stage (x staging, the input's wait), waiting for stages, reading them (dots), the rest.
 That per-call table is how the engines are compared: which calls got slower or faster, and whether the
-difference is in the body (bytes arriving) or in the wait (the producer of the input).
+difference is in the body (bytes arriving) or in the wait (the producer of the input). With --spans DIR the
+profiled build's raw span records are saved there and bench/spans_report.py's tables printed (per worker, one
+layer's calls, a layer's hops along the dependency chain). Model options beside the macros: deps, attn_merge,
+attn_chunks, tagged, tagged_attn, threads (e.g. --variants "default;threads=384;attn_chunks=8").
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+import spans_report  # noqa: E402
 from llama_decode import Timer, check_once, hbm_bandwidth, log, median, profiled_steps, time_megart  # noqa: E402
 from megart.models import llama  # noqa: E402
 from megart.models.llama_config import clone_kv  # noqa: E402
@@ -194,6 +198,8 @@ def main(argv=None) -> int:
             log(calls_text(rec, args.phases))
             if args.waits:
                 log(waits_text(rec))
+            if spans is not None and spans.is_file():   # per worker, one layer, a layer's hops (bench/spans_report.py)
+                log(spans_report.report(spans))
         del W, prefix
         torch.cuda.empty_cache()
     if args.json:
