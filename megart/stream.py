@@ -192,9 +192,8 @@ def _check_kv_stage(types, names, cfg: KernelConfig, chunks: int) -> None:
     the thread count); the stage must hold whole batches (tasks/attention_decode.cuh static_asserts it)."""
     if not any(t.name in names and t.stream_format == "kv" for t in types):
         return
-    from .tasks.attention import ATTN_RING
-    ring_positions = ATTN_RING // (cfg.threads * 32)
-    ru = 4 if ring_positions >= 16 else 2 if ring_positions >= 8 else 1
+    from .tasks.attention import ATTN_RING, ring_geometry
+    ru = ring_geometry(ATTN_RING, cfg.threads)[0]
     ub = slot_bytes(chunks) // 1024
     if ub < ru or ub % ru:
         raise GraphError(f"MEGART_STREAM_KV=1 with MEGART_STREAM_STAGE={chunks} at {cfg.threads} threads: a K/V "

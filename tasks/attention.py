@@ -494,9 +494,21 @@ def _attn_smem(cfg) -> int:
     return max(SMEM_ATTN_MERGE, attn_ring_bytes(cfg))
 
 
+def ring_geometry(ring_bytes: int, threads: int) -> tuple[int, int]:
+    """attention_decode's K/V ring of `ring_bytes` per CTA at `threads` threads: (positions per thread in one
+    stage, which is one batch of the online softmax; stages). A position takes 32 bytes per thread (its K and
+    V vectors); at most 4 stages. No room for two stages (the ring off included) means the register path."""
+    positions = ring_bytes // (threads * 32)
+    per_stage = 4 if positions >= 16 else 2 if positions >= 8 else 1
+    return per_stage, min(4, positions // per_stage)
+
+
 def _attn_defines(cfg) -> dict:
-    # (ORDER: the ring size whose position order and batches the streamed K/V path keeps, bit for bit)
-    return {"MEGART_ATTN_RING_BYTES": attn_ring_bytes(cfg), "MEGART_ATTN_RING_ORDER": ATTN_RING}
+    # ORDER_U: the batches of the ring at its default size, whose position order the streamed K/V path keeps,
+    # bit for bit. The ring geometries are computed here only (tasks/attention_decode.cuh takes them as given).
+    ring_u, ring_stages = ring_geometry(attn_ring_bytes(cfg), cfg.threads)
+    return {"MEGART_ATTN_RING_BYTES": attn_ring_bytes(cfg), "MEGART_ATTN_RING_U": ring_u,
+            "MEGART_ATTN_RING_STAGES": ring_stages, "MEGART_ATTN_ORDER_U": ring_geometry(ATTN_RING, cfg.threads)[0]}
 
 
 def _attn_macros(params) -> dict:

@@ -32,8 +32,7 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
                                                       int hi) {
   constexpr int NT = MEGART_THREADS, NWARP = NT / 32;
   // Ring geometry (see "Ring" below); it depends only on the thread count and the ring size.
-  constexpr int RPOS = kRingPositions<kAttnRingBytes>, RU = kRingU<kAttnRingBytes>;
-  constexpr int RS = RPOS / RU > 4 ? 4 : RPOS / RU;
+  constexpr int RU = kRingU, RS = kRingStages;
   constexpr bool kRing = !kLowRegs && G <= 8 && RS >= 2;
   // bf16 per lane per row. The ring path keeps 16-byte vectors for every G (5..8 included: its few
   // positions per batch leave the registers for q and o; G = 8 joined it when the register path's 8-byte
@@ -273,16 +272,16 @@ struct DecodeBody {
 // The cache rows below pos are read-only within a step, so the producer loads them ahead, like weights,
 // while the calls before attention run. Every lane slot (warp w, row rw) attends the positions the ring path
 // gives it, in the same batches, so both give the same bits: positions lo + s + k * SLOTS (s = w * RPW + rw,
-// SLOTS = warps x RPW), k in batches of RU, RU being the ring's at MEGART_ATTN_RING_ORDER bytes (its default
-// size). A stage of warp w holds UB consecutive k: for each, the warp's RPW consecutive rows (K in the slot's
-// first half, V in its second). The chunk [lo, hi) depends on this step's pos, which the producer (waiting on
+// SLOTS = warps x RPW), k in batches of RU, RU being the ring's at its default size (MEGART_ATTN_ORDER_U). A
+// stage of warp w holds UB consecutive k: for each, the warp's RPW consecutive rows (K in the slot's first
+// half, V in its second). The chunk [lo, hi) depends on this step's pos, which the producer (waiting on
 // no event) reads once pos_advance's stamp carries this step's tag. Row pos itself is written by this step's
 // qkv (or staged from k_new in the tagged form), so the body reads that row after its wait instead.
 constexpr bool kStreamKv = megart::StreamOn<megart_params_attention_decode>::value;
-#ifndef MEGART_ATTN_RING_ORDER
-#define MEGART_ATTN_RING_ORDER 65536
+#ifndef MEGART_ATTN_ORDER_U
+#error "the streamed K/V path needs MEGART_ATTN_ORDER_U from tasks/attention.py"
 #endif
-constexpr int kKvRu = kRingU<MEGART_ATTN_RING_ORDER>;
+constexpr int kKvRu = MEGART_ATTN_ORDER_U;
 template <int HD>
 constexpr int kKvRpw = 32 / (HD / 8);  // rows per warp per load (16-byte vectors)
 template <int HD>

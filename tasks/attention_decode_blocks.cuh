@@ -14,12 +14,12 @@ namespace megart_attn {
 #define MEGART_ATTN_RING_BYTES 0
 #endif
 constexpr int kAttnRingBytes = MEGART_ATTN_RING_BYTES;
-// The ring's geometry at BYTES of ring (attention_decode_body): positions (K + V: 32 bytes) per thread it
-// holds, and positions per stage per thread (RU; a batch of the online softmax).
-template <int BYTES>
-constexpr int kRingPositions = BYTES / (MEGART_THREADS * 32);
-template <int BYTES>
-constexpr int kRingU = kRingPositions<BYTES> >= 16 ? 4 : (kRingPositions<BYTES> >= 8 ? 2 : 1);
+// The ring's geometry (attention_decode_body), computed in tasks/attention.py (ring_geometry): positions per
+// stage per thread (RU; a batch of the online softmax) and stages (RS); fewer than 2 stages: no ring.
+#if !defined(MEGART_ATTN_RING_U) || !defined(MEGART_ATTN_RING_STAGES)
+#error "attention_decode needs its ring geometry from tasks/attention.py (the type's defines_for)"
+#endif
+constexpr int kRingU = MEGART_ATTN_RING_U, kRingStages = MEGART_ATTN_RING_STAGES;
 // MEGART_DIAG_NO_WAIT bit 2 (a timing diagnostic, device builds only; csrc/runtime.cuh): attention reads no
 // K/V from the cache (the ring copies nothing, the register path takes zeros). The step computes garbage; its
 // time against the default says what attention's K/V reads cost the step.

@@ -312,6 +312,22 @@ def test_attention_ring_config(nw, threads, defines, ring):
     assert pk.smem_bytes() == max(ring, SMEM_ATTN_MERGE) <= SMEM_ATTN
     compiled(pk)
     assert f"#define MEGART_ATTN_RING_BYTES {ring}\n" in pk.source.text
+    from megart.tasks.attention import ring_geometry
+    per_stage, stages = ring_geometry(ring, threads)
+    assert f"#define MEGART_ATTN_RING_U {per_stage}\n" in pk.source.text
+    assert f"#define MEGART_ATTN_RING_STAGES {stages}\n" in pk.source.text
+
+
+@pytest.mark.parametrize("ring,threads,geometry", [(64 << 10, 256, (2, 4)), (64 << 10, 128, (4, 4)),
+                                                   (32 << 10, 256, (1, 4)), (64 << 10, 384, (1, 4)),
+                                                   (64 << 10, 512, (1, 4)), (16 << 10, 256, (1, 2)),
+                                                   (8 << 10, 256, (1, 1)), (0, 256, (1, 0))])
+def test_attention_ring_geometry(ring, threads, geometry):
+    """Positions per stage (a softmax batch) and stages of the K/V ring: 32 bytes per thread and position,
+    batches of 4 / 2 / 1 from 16 / 8 / fewer positions per thread, at most 4 stages; under 2 stages the body
+    takes the register path (tasks/attention_decode.cuh uses these as given)."""
+    from megart.tasks.attention import ring_geometry
+    assert ring_geometry(ring, threads) == geometry
 
 
 def test_attention_detects_feature_drops():
