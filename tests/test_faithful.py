@@ -419,6 +419,23 @@ def test_cpu_path_gemv_m1_subprocess():
     assert "FAITHFUL_RESULT" not in out
 
 
+def test_engine_choice_builds_that_engine(capsys):
+    """--engine stream builds the isolated gate with the weight stream the decode models ship (and says so, in
+    the report and the record), --engine registers without it; a model context refuses the option."""
+    runs = {}
+    for engine, says in (("stream", "weights: the launch-wide stream"), ("registers", "weights: registers")):
+        rc, out, err = run_cli(capsys, "--task", "gemv_m1", "--shape", "2048x2048", "--engine", engine)
+        assert rc == 0, err
+        assert says in out
+        runs[engine] = json.loads(next(line for line in out.splitlines()
+                                       if line.startswith("FAITHFUL_CPU")).split(" ", 1)[1])
+        assert runs[engine]["correctness"]["pass"]
+    assert runs["stream"]["engine"]["weights"] == "stream" and runs["stream"]["engine"]["slots"] >= 2
+    assert runs["registers"]["engine"] == {"weights": "registers", "slots": 0, "declined": None}
+    rc, out, err = run_cli(capsys, "--task", "gemv_m1", "--context", "llama_tiny", "--engine", "registers")
+    assert rc == codes.USAGE and "a model context runs the model as it ships" in err
+
+
 def test_cpu_path_reduced_shape_says_so(capsys):
     rc, out, err = run_cli(capsys, "--task", "axpy")
     assert rc == 0, err

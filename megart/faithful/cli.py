@@ -72,6 +72,10 @@ def gate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     ap.add_argument("--l2", choices=("cold", "warm"), default="cold", help="cold (default): read 256 MiB between "
                     "steps so weights come from HBM as in a real decode step; warm: no flush (GPU only)")
+    ap.add_argument("--engine", choices=("registers", "stream"), default=None,
+                    help="isolated context: the weights through registers or through the launch-wide stream the "
+                         "decode models ship with (default: as MEGART_DEFINES says, else registers). A candidate's "
+                         "own type is never streamed, so with 'stream' it runs against the streamed baseline")
     ap.add_argument("--lock-timeout", type=float, default=600.0, help="seconds to wait for the GPU lock (600; "
                     "GPU only)")
     ap.add_argument("--lock-file", help="lock path, an empty file of its own (default $MEGART_LOCK_DIR/"
@@ -149,7 +153,7 @@ def run_gate(args) -> int:
     cfg = GateConfig(task=args.task, shape=args.shape, nw=args.nw, kernel=args.kernel, decode_m1=args.decode_m1,
                      context=args.context, iters=50 if args.iters is None else args.iters, warmup=args.warmup,
                      repeats=args.repeats,
-                     tiles=args.tiles, seed=args.seed, l2=args.l2, sm_count=args.sm_count)
+                     tiles=args.tiles, seed=args.seed, l2=args.l2, sm_count=args.sm_count, engine=args.engine)
     if cfg.nw is not None and cfg.nw < 1:
         raise GateError(codes.USAGE, f"--num-workers must be >= 1 (got {cfg.nw}).")
     _check_lock_vs_json(args)

@@ -30,6 +30,11 @@ SCHEMA = 1
 BUILD_DEVICE = "cuda"   # where the timed path builds (tests swap in "cpu" with a simulated kernel)
 
 
+# The isolated gate's weight engines (--engine): the macro each sets (None: the caller's MEGART_DEFINES decide,
+# which leave a PersistentKernel on registers unless they ask for the stream).
+ENGINES = {None: None, "registers": {"MEGART_STREAM_SLOTS": 0}, "stream": {"MEGART_STREAM_SLOTS": "auto"}}
+
+
 @dataclass
 class GateConfig:
     task: str
@@ -45,6 +50,7 @@ class GateConfig:
     seed: int = 0
     l2: str = "cold"                   # "cold": flush L2 between timed steps | "warm"
     sm_count: int | None = None        # CPU path: SMs assumed for the co-residency check (default 132)
+    engine: str | None = None          # isolated gate's weights: "registers", "stream" or None (as MEGART_DEFINES says)
 
 
 @dataclass
@@ -73,6 +79,11 @@ def prepare(cfg: GateConfig) -> Prepared:
     if cfg.iters < 1 or cfg.warmup < 0 or cfg.repeats < 1:
         raise GateError(USAGE, f"--iters and --repeats must be >= 1 and --warmup >= 0 (got {cfg.iters}, "
                                f"{cfg.repeats}, {cfg.warmup}).")
+    if cfg.engine not in ENGINES:
+        raise GateError(USAGE, f"--engine {cfg.engine!r}: expected one of {', '.join(e for e in ENGINES if e)}.")
+    if cfg.engine and cfg.context != "isolated":
+        raise GateError(USAGE, f"--engine {cfg.engine} with --context {cfg.context}: a model context runs the model "
+                               "as it ships (its weights on the stream); --engine chooses the isolated gate's.")
     if cfg.tiles is not None and not 1 <= cfg.tiles <= MAX_TILES:
         raise GateError(USAGE, f"--tiles must be in [1, {MAX_TILES}] (got {cfg.tiles}): a call is cut into at most "
                                f"{MAX_TILES} instances.")
@@ -119,7 +130,7 @@ def build(p: Prepared, nw: int, device: str, shape: tuple | None = None, profile
         raise GateError(BAD_SHAPE, f"task {cfg.task!r} refuses shape {spec.shape_str(shape)}: {exc}") from None
     try:
         pk = PersistentKernel(nw=nw, device=device, profile=profile, profile_steps=max(1, iters),
-                              source_overrides=p.cand.overrides(),
+                              source_overrides=p.cand.overrides(), defines=ENGINES[cfg.engine],
                               sm_count=cfg.sm_count if device == "cpu" else None)
     except GraphError as exc:
         raise GateError(USAGE, f"--num-workers {nw}: {exc}") from None
@@ -175,7 +186,14 @@ def kernel_info(b: Built) -> dict:
     return {"ptxas": asdict(r), "occupancy": {"per_sm": occ.per_sm, "limiter": occ.limiter,
                                               "capacity": occ.capacity(b.pk.sm_count)},
             "arch": b.pk.arch, "sm_count": b.pk.sm_count, "threads": b.pk.threads,
-            "cache_hit": b.pk.compiled.cache_hit}
+            "cache_hit": b.pk.compiled.cache_hit, "engine": engine_of(b.pk)}
+
+
+def engine_of(pk) -> dict:
+    """The weights' engine of a built kernel: the launch-wide stream (ring slots per warp) or registers, and
+    why a stream that was asked for was declined (a candidate's own type is never on it)."""
+    slots = pk.stream_layout().slots
+    return {"weights": "stream" if slots else "registers", "slots": slots, "declined": pk.stream_declined}
 
 
 def ptxas_text(info: dict, nw: int) -> str:
@@ -184,7 +202,15 @@ def ptxas_text(info: dict, nw: int) -> str:
             f"{r['spill_loads']} B spill loads, {r['stack_bytes']} B stack, {r['smem_bytes']} B static smem, "
             f"{r['barriers']} barriers; {o['per_sm']} CTA(s)/SM of {info['threads']} threads (limit: "
             f"{o['limiter']}) x {info['sm_count']} SMs = {o['capacity']} co-resident >= nw {nw}"
-            + (" [compile cache hit]" if info.get("cache_hit") else ""))
+            + (" [compile cache hit]" if info.get("cache_hit") else "") + _engine_text(info.get("engine")))
+
+
+def _engine_text(e: dict | None) -> str:
+    if not e:
+        return ""
+    text = (f"\nweights: the launch-wide stream, {e['slots']} ring slots per warp" if e["weights"] == "stream"
+            else "\nweights: registers")
+    return text + (f" (the stream was declined: {e['declined']})" if e.get("declined") else "")
 
 
 def _bytes(p: Prepared, b: Built) -> int | None:
@@ -424,6 +450,8 @@ def summary_json(rec: dict) -> dict:
     if ki:
         out["ptxas"] = {k: ki["ptxas"][k] for k in ("registers", "spill_stores", "spill_loads", "stack_bytes")}
         out["occupancy"] = ki["occupancy"]
+        if ki.get("engine"):
+            out["engine"] = ki["engine"]
     return strict(out)       # NaN / inf -> null, with the reason under "nonfinite"
 
 
