@@ -94,6 +94,18 @@ def test_compare_win():
     assert v.ratio["slow_cta"] == pytest.approx(0.8)
 
 
+def test_compare_notes_engines_that_differ():
+    """A streamed baseline against a candidate on registers (--engine stream: the candidate's type is never
+    streamed) is judged, with a note that says so; same engines, or records that do not say, get none."""
+    def with_engine(r, weights):
+        return {**r, "engine": {"weights": weights, "slots": 5 if weights == "stream" else 0, "declined": None}}
+    base, cand = rec(10_000, 12_000, 1_300_000), rec(9_000, 11_000, 1_200_000)
+    v = verdict_of(with_engine(base, "stream"), with_engine(cand, "registers"))
+    assert v.verdict == "WIN" and any("engines differ (baseline stream, candidate registers)" in n for n in v.notes)
+    for b, c in ((with_engine(base, "stream"), with_engine(cand, "stream")), (base, with_engine(cand, "registers"))):
+        assert not any("engines differ" in n for n in verdict_of(b, c).notes)
+
+
 def test_compare_null_within_spread():
     # 3 % slower / faster everywhere, but the runs' own noise is 8 %: inside the band
     v = verdict_of(rec(10_000, 12_000, 1_300_000, noise=0.08), rec(10_300, 11_700, 1_330_000, noise=0.08))

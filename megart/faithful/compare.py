@@ -197,6 +197,13 @@ def judge(key: tuple, base: Side, cand: Side, band_mode: str = "noise", min_band
     return v
 
 
+def _weights(rec: dict) -> str | None:
+    """The weights' engine a record ran ("stream" / "registers"), where it says (records from before --engine
+    do not)."""
+    e = rec.get("engine") or (rec.get("kernel_info") or {}).get("engine") or {}
+    return e.get("weights")
+
+
 def is_emulated(rec: dict) -> bool:
     """A CPU-path record: marked emulated, or (older lines) untimed from the CPU emulator."""
     return bool(rec.get("emulated")) or (not rec.get("timings") and str(rec.get("device", "")).startswith("cpu"))
@@ -243,6 +250,11 @@ def compare(base_recs: list[dict], cand_recs: list[dict], band_mode: str = "nois
         devs = {r.get("device") for r in gb[k] + gc[k] if r.get("device")}
         if len(devs) > 1:
             v.notes.append(f"results come from different devices: {sorted(devs)}")
+        engines = [sorted({_weights(r) for r in g[k]} - {None}) for g in (gb, gc)]
+        if engines[0] and engines[1] and engines[0] != engines[1]:
+            v.notes.append(f"the weights' engines differ (baseline {'/'.join(engines[0])}, candidate "
+                           f"{'/'.join(engines[1])}): a candidate's type is never on the weight stream, so this "
+                           "compares it with what ships, engine included")
         out.append(v)
     return out, notes
 
