@@ -446,6 +446,11 @@ def test_engine_choice_builds_that_engine(capsys):
     assert runs["registers"]["engine"] == {"weights": "registers", "slots": 0, "declined": None}
     rc, out, err = run_cli(capsys, "--task", "gemv_m1", "--context", "llama_tiny", "--engine", "registers")
     assert rc == codes.USAGE and "a model context runs the model as it ships" in err
+    rc, out, err = run_cli(capsys, "--task", "axpy", "--shape", "65536", "--engine", "stream")
+    assert rc == 0 and "declares no weight stream" in out and "weights: registers" in out
+    rc, out, err = run_cli(capsys, "--task", "gemv_m1", "--shape", "2048x2048", "--tiles", "32",
+                           "--kernel", "gemv_m1_sloughing", "--engine", "stream")
+    assert rc == 0 and "this candidate runs on registers" in out and "weights: registers" in out
 
 
 def test_cpu_path_reduced_shape_says_so(capsys):

@@ -91,6 +91,13 @@ def prepare(cfg: GateConfig) -> Prepared:
     p = Prepared(cfg, spec, ttype, cand, shape)
     if cfg.decode_m1 and spec.decode_m1 == "native":
         p.notes.append(f"--decode-m1: {cfg.task} is M = 1 by construction; the flag changes nothing")
+    if cfg.engine == "stream" and not ttype.stream:
+        p.notes.append(f"--engine stream: {cfg.task} declares no weight stream (TaskType.stream), so the flag "
+                       "changes nothing")
+    elif cfg.engine == "stream" and cfg.kernel is not None:
+        p.notes.append("--engine stream: a candidate's type is never on the weight stream (its loads are its own), "
+                       "so this candidate runs on registers; time the baseline with --engine stream to compare "
+                       "with what ships")
     return p
 
 
