@@ -132,6 +132,20 @@ def test_model_context_llama_1b(tmp_path):
     assert verdict(base, tmp_path / "ctx_slow.jsonl")["verdict"] == "REGRESS"
 
 
+def test_engine_stream_times_the_shipped_engine(tmp_path):
+    """--engine stream times the baseline with the weight stream the decode models ship (report and record say
+    so) and stays correct; a candidate under it runs on registers, and compare notes the engines differ."""
+    base, cand = tmp_path / "stream.jsonl", tmp_path / "slower.jsonl"
+    common = ["--task", "gemv_m1", "--shape", "8192x2048", *ITERS, "--engine", "stream"]
+    r = gate(*common, "--json", str(base))
+    rec = results(r)[0]
+    assert rec["engine"]["weights"] == "stream" and rec["engine"]["slots"] >= 2, rec["engine"]
+    assert rec["correctness"]["pass"] and "weights: the launch-wide stream" in r.stdout
+    r = gate(*common, "--kernel", "gemv_m1_slower", "--json", str(cand))
+    assert results(r)[0]["engine"]["weights"] == "registers"
+    assert "engines differ (baseline stream, candidate registers)" in gate("compare", str(base), str(cand)).stdout
+
+
 def test_nw_over_co_residency_is_refused():
     r = gate("--task", "gemv_m1", "--num-workers", "5000", "--iters", "5", expect=6)
     assert "cannot all be co-resident" in r.stderr
