@@ -141,6 +141,19 @@ __device__ __noinline__ void raise_hang(long long* ctrl, const WaitSite& s, int 
   }
 }
 
+// The check every bounded spin makes each so many tries (event waits, tagged polls, ring stages): false (leave)
+// once any watchdog fired (ctrl's abort word) or, past watchdog_ns since `start`, after `hang()` recorded this one.
+template <class Hang>
+__device__ __forceinline__ bool spin_on(long long* ctrl, unsigned long long start, const long long& watchdog_ns,
+                                        const Hang& hang) {
+  if (ld_relaxed(ctrl + kCtrl_abort) != 0) return false;
+  if ((long long)(globaltimer() - start) > watchdog_ns) {
+    hang();
+    return false;
+  }
+  return true;
+}
+
 // MEGART_DIAG_NO_WAIT (a measurement aid, never a default): bit 0 makes every event wait pass at once, bit 1
 // every tagged poll. The step then computes garbage, but streams the same bytes through the same instances,
 // so its time is what the partition and the bodies cost without the dependency chain. Bit 2 keeps the chain
@@ -164,11 +177,7 @@ __device__ __forceinline__ bool wait_event(unsigned* events, int ev, unsigned ne
     have = kSys ? ld_acquire_sys(p) : ld_acquire(p);
     if ((int)(have - need) >= 0) return true;
     if ((iter & 31) == 0) {
-      if (ld_relaxed(ctrl + kCtrl_abort) != 0) return false;
-      if ((long long)(globaltimer() - start) > watchdog_ns) {
-        raise_hang(ctrl, site, ev, have, need);
-        return false;
-      }
+      if (!spin_on(ctrl, start, watchdog_ns, [&]() { raise_hang(ctrl, site, ev, have, need); })) return false;
       if (iter > 4096) __nanosleep(128);  // long waits back off so spinners do not crowd the L2 slice
     }
   }

@@ -74,17 +74,14 @@ __device__ __forceinline__ void poll_spin8(const unsigned* w) {
     poll_pause();
     const uint4 a = ld_relaxed_v4(w), b = ld_relaxed_v4(w + 4);
     if (tags_match(a, b, s_poll.tag)) return;
-    if ((iter & 31) == 0) {
-      if (ld_relaxed(s_poll.ctrl + kCtrl_abort) != 0) return;
-      if ((long long)(globaltimer() - start) > s_poll.watchdog_ns) {
-        const unsigned w8[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        unsigned seen = w8[0];
-        for (int k = 7; k >= 0; --k)
-          if ((w8[k] ^ s_poll.tag) >> 16) seen = w8[k];  // (the first word still without this step's tag)
-        raise_poll_hang(seen >> 16);
-        return;
-      }
-    }
+    if ((iter & 31) == 0 && !spin_on(s_poll.ctrl, start, s_poll.watchdog_ns, [&]() {
+          const unsigned w8[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+          unsigned seen = w8[0];
+          for (int k = 7; k >= 0; --k)
+            if ((w8[k] ^ s_poll.tag) >> 16) seen = w8[k];  // (the first word still without this step's tag)
+          raise_poll_hang(seen >> 16);
+        }))
+      return;
   }
 }
 __device__ __forceinline__ unsigned poll_spin1(const unsigned* w) {
@@ -93,13 +90,8 @@ __device__ __forceinline__ unsigned poll_spin1(const unsigned* w) {
     poll_pause();
     const unsigned v = ld_relaxed_u32(w);
     if (((v ^ s_poll.tag) >> 16) == 0) return v;
-    if ((iter & 31) == 0) {
-      if (ld_relaxed(s_poll.ctrl + kCtrl_abort) != 0) return v;
-      if ((long long)(globaltimer() - start) > s_poll.watchdog_ns) {
-        raise_poll_hang(v >> 16);
-        return v;
-      }
-    }
+    if ((iter & 31) == 0 && !spin_on(s_poll.ctrl, start, s_poll.watchdog_ns, [&]() { raise_poll_hang(v >> 16); }))
+      return v;
   }
 }
 #else

@@ -240,15 +240,12 @@ __device__ __forceinline__ bool stream_wait(unsigned long long* b, unsigned pari
   const unsigned long long start = globaltimer();
   for (unsigned iter = 1;; ++iter) {
     if (mbar_test(b, parity)) return true;
-    if ((iter & 63) == 0) {
-      if (ld_relaxed(s_stream.ctrl + kCtrl_abort) != 0) return false;
-      if ((long long)(globaltimer() - start) > s_stream.watchdog_ns) {
-        if ((threadIdx.x & 31) == 0)
-          raise_hang(s_stream.ctrl, WaitSite{s_stream.worker, s_stream.queue_pos, s_stream.type, s_stream.instance},
-                     ev, stage, (unsigned)warp);
-        return false;
-      }
-    }
+    if ((iter & 63) == 0 && !spin_on(s_stream.ctrl, start, s_stream.watchdog_ns, [&]() {
+          if ((threadIdx.x & 31) == 0)
+            raise_hang(s_stream.ctrl, WaitSite{s_stream.worker, s_stream.queue_pos, s_stream.type, s_stream.instance},
+                       ev, stage, (unsigned)warp);
+        }))
+      return false;
   }
 #else
   (void)ev; (void)warp; (void)stage;
