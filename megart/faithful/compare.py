@@ -200,8 +200,7 @@ def judge(key: tuple, base: Side, cand: Side, band_mode: str = "noise", min_band
 def _weights(rec: dict) -> str | None:
     """The weights' engine a record ran ("stream" / "registers"), where it says (records from before --engine
     do not)."""
-    e = rec.get("engine") or (rec.get("kernel_info") or {}).get("engine") or {}
-    return e.get("weights")
+    return (rec.get("engine") or {}).get("weights")
 
 
 def is_emulated(rec: dict) -> bool:

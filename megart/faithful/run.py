@@ -209,12 +209,10 @@ def ptxas_text(info: dict, nw: int) -> str:
             f"{r['spill_loads']} B spill loads, {r['stack_bytes']} B stack, {r['smem_bytes']} B static smem, "
             f"{r['barriers']} barriers; {o['per_sm']} CTA(s)/SM of {info['threads']} threads (limit: "
             f"{o['limiter']}) x {info['sm_count']} SMs = {o['capacity']} co-resident >= nw {nw}"
-            + (" [compile cache hit]" if info.get("cache_hit") else "") + _engine_text(info.get("engine")))
+            + (" [compile cache hit]" if info.get("cache_hit") else "") + _engine_text(info["engine"]))
 
 
-def _engine_text(e: dict | None) -> str:
-    if not e:
-        return ""
+def _engine_text(e: dict) -> str:
     text = (f"\nweights: the launch-wide stream, {e['slots']} ring slots per warp" if e["weights"] == "stream"
             else "\nweights: registers")
     return text + (f" (the stream was declined: {e['declined']})" if e.get("declined") else "")
@@ -457,8 +455,7 @@ def summary_json(rec: dict) -> dict:
     if ki:
         out["ptxas"] = {k: ki["ptxas"][k] for k in ("registers", "spill_stores", "spill_loads", "stack_bytes")}
         out["occupancy"] = ki["occupancy"]
-        if ki.get("engine"):
-            out["engine"] = ki["engine"]
+        out["engine"] = ki["engine"]
     return strict(out)       # NaN / inf -> null, with the reason under "nonfinite"
 
 
