@@ -418,12 +418,6 @@ static_assert(kProducerWarps >= 1 && kProducerWarps * 32 <= MEGART_PRODUCER_THRE
 __device__ __forceinline__ int producer_lane_warp() {
   return (int)((threadIdx.x - MEGART_THREADS) >> 5) + kProducerWarps * (int)(threadIdx.x & 31);
 }
-// MEGART_STREAM_BURST (an experiment, default 1): steps one producer lane may take in a round, so a ring that
-// consumers just drained refills without a round per stage.
-#ifndef MEGART_STREAM_BURST
-#define MEGART_STREAM_BURST 1
-#endif
-constexpr int kProducerBurst = MEGART_STREAM_BURST;
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ void stream_produce() {
   const int w = producer_lane_warp(), lane = threadIdx.x & 31;
@@ -433,18 +427,9 @@ __device__ __forceinline__ void stream_produce() {
     bool live = false, issued = false;
     if (ws && ws->q < s_stream.q1) {
       live = true;
-      if constexpr (kProducerBurst <= 1) {
-        const unsigned use = ws->issued / kStreamSlots;
-        if ((use == 0 || stream_slot_free(*ws, w)) && stream_inflight_ok(*ws, w))
-          issued = stream_step(*ws, w) == kStepMoved;
-      } else {  // up to kProducerBurst steps while the lane's next slot is free (an experiment, off by default)
-        for (int b = 0; b < kProducerBurst && ws->q < s_stream.q1; ++b) {
-          const unsigned use = ws->issued / kStreamSlots;
-          if (!((use == 0 || stream_slot_free(*ws, w)) && stream_inflight_ok(*ws, w))) break;
-          if (stream_step(*ws, w) != kStepMoved) break;
-          issued = true;
-        }
-      }
+      const unsigned use = ws->issued / kStreamSlots;
+      if ((use == 0 || stream_slot_free(*ws, w)) && stream_inflight_ok(*ws, w))
+        issued = stream_step(*ws, w) == kStepMoved;
     }
     if (!__any_sync(0xffffffffu, live)) return;
     if (__any_sync(0xffffffffu, issued)) {
