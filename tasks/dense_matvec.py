@@ -17,8 +17,8 @@ from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM
 from .shapes import check_shape
 from .tiling import even_tiles, require
 
-# GEMV types whose weights stream through the shared-memory ring (tasks/dense_engines.cuh); not
-# group_gemm_m1, whose rows depend on the routing, an input that exists only after its wait.
+# GEMV types whose weights stream through the shared-memory ring (tasks/dense_engines.cuh): every type here
+# (group_gemm_m1 too: its active experts are a build-time list, so its rows are known before its wait).
 RING = dict(prewait=True, stream=True, smem_for=smem_for, defines_for=defines_for, smem_bytes=STAGE_SMEM)  # (smem_bytes: ring off)
 
 
@@ -164,11 +164,11 @@ def _group_cost(y=None, w=None, a=None, active=(), **_):
 
 register(TaskType(
     name="group_gemm_m1", id=23, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:group_gemm_m1",
-    generated=wrappers("w", ring=False),
+    generated=wrappers("w", ring=True),
     params=(ptr("y", "bf16", "out"), ptr("w", "bf16", "weight"), ptr("a", "bf16", "in"),
             scalar("n"), scalar("k")),
     source=source("group_gemm_m1"), headers=HEADERS, reference=_group_ref, split=_group_split, cost=_group_cost,
-    smem_bytes=STAGE_SMEM, prefetch=True,
+    prefetch=True, **RING,
     doc=f"Routed MoE expert GEMM in decode geometry: y[e*{EXPERT_ROWS}, :] = W[e] @ a[e*{EXPERT_ROWS}, :] for "
         "each expert e in `active` (build-time list); only the live row is computed, only active experts' "
         "weights are read. `tiles` instances in all, dealt evenly over the active experts (>= 1 each)."),

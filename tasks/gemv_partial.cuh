@@ -28,18 +28,3 @@ __device__ __noinline__ void megart_task_gemv_partial(const P& p, char* smem) {
   if (p.peer) asm volatile("fence.acq_rel.sys;" ::: "memory");
 #endif
 }
-
-template <class P>
-__device__ __forceinline__ void megart_prefetch_gemv_partial(const P& p) {
-  if (threadIdx.x == 0) megart::dense::prefetch_head(p.w, 2ull * p.n * p.k);
-}
-
-template <class P>
-__device__ __forceinline__ void megart_prewait_gemv_partial(const P& p, char* smem) {
-  megart::dense::ring_fill(plan_gemv_partial(p), smem);
-}
-
-template <class P>
-__device__ __forceinline__ void megart_drain_gemv_partial(const P&, char* smem) {
-  megart::dense::ring_drain(smem);
-}

@@ -16,7 +16,7 @@ import torch
 
 from ..registry import Cost, TaskType, ptr, register, scalar
 from ..tensors import as_ref
-from .dense_common import HEADERS, SCRATCH_BYTES, source, sum_parts
+from .dense_common import HEADERS, SCRATCH_BYTES, source, sum_parts, wrappers
 from .dense_matvec import RING, _gemv_cost, _gemv_split
 from .tiling import even_tiles, require
 
@@ -141,7 +141,7 @@ def _partial_ref(p) -> None:
 
 
 register(TaskType(
-    name="gemv_partial", id=115,
+    name="gemv_partial", id=115, generated=wrappers("w", ring=True),
     params=(ptr("y", "f32", "out"), ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"),
             ptr("peer", "f32", "out", optional=True), scalar("n"), scalar("k")),
     source=source("gemv_partial"), headers=HEADERS, reference=_partial_ref, split=_partial_split,

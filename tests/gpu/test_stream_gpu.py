@@ -21,9 +21,10 @@ ENGINES = [{"MEGART_STREAM_SLOTS": "auto"}, {"MEGART_STREAM_SLOTS": "auto", "MEG
 
 
 def _dense_chain(defines, n, k, tiles, nw, dev):
-    """gemv_m1 (norm + residual), a weightless copy, gemv_m1_fp8, gate_up_silu and lm_head_argmax in one
-    kernel: the producer streams across instances (tiles > nw) and steps over the copy."""
+    """gemv_m1 (norm + residual), a weightless copy, gemv_m1_fp8, gate_up_silu, lm_head_argmax and
+    group_gemm_m1 in one kernel: the producer streams across instances (tiles > nw) and steps over the copy."""
     w, x = geo.dense_m1(n, k, seed=3)
+    we, a, _ = geo.moe_m1(2, [1], n, k, seed=7)
     wu, _ = geo.dense_m1(n, k, seed=4)
     w8, s8 = geo.quantize_fp8_per_channel(w)
     g, res = geo.norm_weight(k, seed=5), geo.dense_m1(1, n, seed=6)[1]
@@ -31,7 +32,8 @@ def _dense_chain(defines, n, k, tiles, nw, dev):
     X, W = pk.tensor(x.to(dev), "x"), pk.tensor(w.to(dev), "w")
     out = {"y": torch.zeros(n, dtype=torch.bfloat16, device=dev), "y8": torch.zeros(n, dtype=torch.bfloat16, device=dev),
            "h": torch.zeros(n, dtype=torch.bfloat16, device=dev), "pv": torch.zeros(tiles, device=dev),
-           "pi": torch.zeros(tiles, dtype=torch.int32, device=dev), "logits": torch.zeros(n, device=dev)}
+           "pi": torch.zeros(tiles, dtype=torch.int32, device=dev), "logits": torch.zeros(n, device=dev),
+           "ye": torch.zeros(2 * geo.EXPERT_ROWS, n, dtype=torch.bfloat16, device=dev)}
     pk.task("gemv_m1", y=pk.tensor(out["y"], "y"), w=W, x=X, norm_weight=pk.tensor(g.to(dev), "g"),
             residual=pk.tensor(res.to(dev), "res"), tiles=tiles)
     pk.task("copy", dst=pk.tensor(torch.zeros(64, device=dev), "c_dst"),
@@ -41,6 +43,8 @@ def _dense_chain(defines, n, k, tiles, nw, dev):
     pk.task("gate_up_silu", h=pk.tensor(out["h"], "h"), w_gate=W, w_up=pk.tensor(wu.to(dev), "wu"), x=X, tiles=tiles)
     pk.task("lm_head_argmax", w=W, x=X, part_val=pk.tensor(out["pv"], "pv"), part_idx=pk.tensor(out["pi"], "pi"),
             logits=pk.tensor(out["logits"], "logits"), tiles=tiles)
+    pk.task("group_gemm_m1", y=pk.tensor(out["ye"], "ye"), w=pk.tensor(we.to(dev), "we"), a=pk.tensor(a.to(dev), "a"),
+            active=[1], tiles=tiles)
     pk.compile()
     return pk, out, (w, x, g, res)
 
