@@ -236,6 +236,56 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
 // piece, so a reader of out waits for all of them).
 // One copy for every head size and width, run after the body (a copy inside each instantiation spilled the
 // kernel that holds every built-in type; a called function did too).
+// MEGART_ATTN_MERGE_VEC (opt-in until measured on the GPU): the fused merge with a tenth of the loads. The
+// per-output loop below has every thread load its head's (m, l) of every chunk itself (a warp-wide broadcast
+// each) and one f32 of o per chunk: 48 loads per thread, 384 per CTA at the 1B shape, and one such pass cost
+// ~1.7 us on the step's critical path where a single load costs 0.2 (bench/RESULTS.md, seventeenth session).
+// Here the (m, l) pairs are loaded once into shared memory, each (head, chunk) weight w = exp2((m - M) log2 e)
+// is computed once, and a thread merges 4 consecutive outputs from 16-byte loads of o. Each output's
+// arithmetic is merge_point's, in its order, so the bits are the same.
+#ifndef MEGART_ATTN_MERGE_VEC
+#define MEGART_ATTN_MERGE_VEC 0
+#endif
+template <class P>
+__device__ __forceinline__ bool merge_vec(const P& p, char* smem) {
+  const int G = p.group, HD = p.hd, C = p.nchunks, n = G * HD;
+  if (16 + 12 * C * G > kAttnMergeSmem) return false;  // (more chunks than its shared memory holds: per output)
+  const float* ml = p.part_ml - p.cidx * G * 2;         // [C][G][m, l]
+  const float* po = p.part_o - p.cidx * n;              // [C][G][HD]
+  float* s_ml = reinterpret_cast<float*>(smem + 16);    // (after s_last) the (m, l) pairs, as in memory
+  float* s_w = s_ml + 2 * C * G;                        // [G][C] the chunks' weights
+  for (int i = threadIdx.x; i < 2 * C * G; i += MEGART_THREADS) s_ml[i] = ld_in_f32(ml + i);
+  __syncthreads();
+  for (int i = threadIdx.x; i < C * G; i += MEGART_THREADS) {
+    const int g = i / C, c = i % C;
+    float M = neg_inf();
+    for (int k = 0; k < C; ++k) M = fmaxf(M, s_ml[(k * G + g) * 2]);
+    // (M = -inf: every chunk empty, so l = o = 0 and a zero weight gives merge_point's 0)
+    s_w[i] = M != neg_inf() ? exp2f((s_ml[(c * G + g) * 2] - M) * kLog2e) : 0.f;
+  }
+  __syncthreads();
+  const int back = p.cidx * n / C;
+  for (int t4 = 4 * threadIdx.x; t4 < n; t4 += 4 * MEGART_THREADS) {
+    const int g = t4 / HD;  // (HD % 4 == 0: the 4 outputs share their head)
+    const float* w = s_w + g * C;
+    float L = 0.f, O[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int c = 0; c < C; ++c) {
+      const uint4 o = ld_in16(po + c * n + t4);
+      const float oc[4] = {__uint_as_float(o.x), __uint_as_float(o.y), __uint_as_float(o.z), __uint_as_float(o.w)};
+      L = fmaf(w[c], s_ml[(c * G + g) * 2 + 1], L);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) O[e] = fmaf(w[c], oc[e], O[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const __nv_bfloat16 v = __float2bfloat16_rn(L > 0.f ? O[e] / L : 0.f);
+      if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out) - back, t4 + e, v);
+      else (p.out - back)[t4 + e] = v;
+    }
+  }
+  return true;
+}
+
 template <class P>
 __device__ __forceinline__ void merge_if_last(const P& p, char* smem) {
   int* s_last = reinterpret_cast<int*>(smem);  // (the partials' staging rounds are over)
@@ -244,6 +294,7 @@ __device__ __forceinline__ void merge_if_last(const P& p, char* smem) {
   __syncthreads();
   megart::span_mark(1);  // (profiled builds: partials stored, arrival counted)
   if (!*s_last) return;
+  if (MEGART_ATTN_MERGE_VEC && merge_vec(p, smem)) return;
   const int G = p.group, HD = p.hd, C = p.nchunks, n = G * HD;  // (32-bit offsets: n * C < 2^31)
   const float* ml = p.part_ml - p.cidx * G * 2;
   const float* po = p.part_o - p.cidx * n;
