@@ -10,7 +10,11 @@ load; short_sb = on shared memory or a conversion; wait = a fixed dependency; ba
 Three tables: the stall reasons over the whole kernel, the opcodes that collect the most samples (with
 their top reasons), and the hottest instructions. --around OPCODE also sums the samples of each code
 region around that opcode's clusters (e.g. the fp8 dot loops around F2FP.F16.E4M3), to tell a loop that
-issues from one that waits. The samples cover every warp, the producer warps' polls included.
+issues from one that waits. --reason R (e.g. no_instructions: a warp waiting for its next instruction to be
+fetched, an instruction-cache miss) lists the code windows and instructions where that reason's samples
+fall. The first line also gives the code the run executed (instructions executed at least once, 16 bytes
+each), the footprint that has to fit the SM's instruction caches. The samples cover every warp, the
+producer warps' polls included.
 """
 from __future__ import annotations
 
@@ -104,6 +108,25 @@ def regions(instrs: list[Instr], opcode: str, gap: int = 0x400, pad: int = 60) -
     return out
 
 
+def footprint(instrs: list[Instr]) -> tuple[int, int]:
+    """(instructions executed at least once, bytes of code they span at 16 bytes each)."""
+    n = sum(1 for i in instrs if i.executed > 0)
+    return n, 16 * n
+
+
+def windows(instrs: list[Instr], reason: str, size: int = 0x1000) -> list[tuple[int, int, int]]:
+    """The samples of one stall reason summed over code windows of `size` bytes from the kernel's start:
+    (window start, that reason's samples, all samples), windows with none of that reason left out, most first."""
+    base = instrs[0].address if instrs else 0
+    acc: dict[int, list[int]] = {}
+    for i in instrs:
+        w = (i.address - base) // size * size
+        a = acc.setdefault(w, [0, 0])
+        a[0] += i.stalls.get(reason, 0)
+        a[1] += i.samples
+    return sorted(((w, r, t) for w, (r, t) in acc.items() if r), key=lambda x: -x[1])
+
+
 def _top(c: Counter, n: int = 3) -> str:
     return ", ".join(f"{k} {v}" for k, v in c.most_common(n))
 
@@ -113,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=25, help="rows of the opcode and instruction tables")
     ap.add_argument("--around", default=None, help="sum the code regions around this opcode's clusters")
+    ap.add_argument("--reason", default=None,
+                    help="where one stall reason's samples fall (code windows, instructions), e.g. no_instructions")
     args = ap.parse_args(argv)
     try:
         instrs = read(args.csv)
@@ -124,7 +149,8 @@ def main(argv=None) -> int:
         print(f"sass_stalls: {args.csv}: no stall samples (was the report taken with --section SourceCounters?)",
               file=sys.stderr)
         return 2
-    print(f"{len(instrs)} instructions, {total} samples")
+    n_exec, code = footprint(instrs)
+    print(f"{len(instrs)} instructions, {total} samples; executed: {n_exec} instructions ({code / 1024:.1f} KB of code)")
     print("\nstall reason           samples      %")
     for k, v in reasons(instrs).most_common():
         print(f"  {k:20s} {v:8d} {100 * v / total:6.1f}")
@@ -141,6 +167,15 @@ def main(argv=None) -> int:
         for r in regions(instrs, args.around):
             print(f"  {r['start']:#8x}-{r['end']:#8x} {r['hits']:3d} hits {r['samples']:7d} samples "
                   f"({100 * r['samples'] / total:4.1f}%), executed {r['executed']}: {_top(r['stalls'], 5)}")
+    if args.reason:
+        by = reasons(instrs).get(args.reason, 0)
+        print(f"\nwhere {args.reason} falls ({by} samples, {100 * by / total:.1f}%): 4 KB code windows")
+        for w, r, t in windows(instrs, args.reason)[:args.top]:
+            print(f"  {w:#8x} {r:7d} of {t:7d} samples")
+        print(f"instructions")
+        hot = sorted((i for i in instrs if i.stalls.get(args.reason)), key=lambda i: -i.stalls[args.reason])
+        for i in hot[:args.top]:
+            print(f"  {i.address - base:#8x} {i.stalls[args.reason]:7d}  {i.source.strip()[:56]}")
     return 0
 
 

@@ -48,10 +48,23 @@ def test_reasons_opcodes_and_regions(tmp_path):
     assert regions[1]["executed"] == 64 and regions[1]["stalls"]["long_sb"] == 38
 
 
+def test_footprint_and_where_a_reason_falls(tmp_path):
+    rows = ROWS + [["0x9020", "  EXIT ;", "0", "0", "0", "", "", "", ""]]   # never executed
+    instrs = sass_stalls.read(_csv(tmp_path, rows))
+    assert sass_stalls.footprint(instrs) == (5, 80)
+    # long_sb only in the first 4 KB window (offset 0x20); wait in two windows, the first one first
+    assert sass_stalls.windows(instrs, "long_sb") == [(0x0, 38, 55)]
+    assert sass_stalls.windows(instrs, "wait") == [(0x0, 7, 55)]
+    assert sass_stalls.windows(instrs, "selected") == [(0x0, 10, 55), (0x8000, 3, 3)]
+    assert sass_stalls.windows(instrs, "no_instructions") == []
+
+
 def test_cli_tables_and_bad_input(tmp_path, capsys):
-    assert sass_stalls.main([_csv(tmp_path, ROWS), "--top", "2", "--around", "F2FP"]) == 0
+    assert sass_stalls.main([_csv(tmp_path, ROWS), "--top", "2", "--around", "F2FP", "--reason", "long_sb"]) == 0
     out = capsys.readouterr().out
-    assert "5 instructions, 58 samples" in out and "long_sb" in out and "regions around F2FP" in out
+    assert "5 instructions, 58 samples; executed: 5 instructions (0.1 KB of code)" in out
+    assert "long_sb" in out and "regions around F2FP" in out
+    assert "where long_sb falls (38 samples, 65.5%)" in out and "0x20      38  @!P0  FMUL" in out
     # not a source page: named, exit 2, no traceback
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
