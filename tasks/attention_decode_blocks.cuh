@@ -254,6 +254,7 @@ __device__ __forceinline__ bool merge_vec(const P& p, char* smem) {
   if (16 + 12 * C * G > kAttnMergeSmem) return false;  // (more chunks than its shared memory holds: per output)
   const float* ml = p.part_ml - p.cidx * G * 2;         // [C][G][m, l]
   const float* po = p.part_o - p.cidx * n;              // [C][G][HD]
+  if (reinterpret_cast<unsigned long long>(po) % 16 != 0) return false;  // (a part_o view off 16 bytes)
   float* s_ml = reinterpret_cast<float*>(smem + 16);    // (after s_last) the (m, l) pairs, as in memory
   float* s_w = s_ml + 2 * C * G;                        // [G][C] the chunks' weights
 #pragma unroll 1
