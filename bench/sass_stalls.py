@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         print(f"\nwhere {args.reason} falls ({by} samples, {100 * by / total:.1f}%): 4 KB code windows")
         for w, r, t in windows(instrs, args.reason)[:args.top]:
             print(f"  {w:#8x} {r:7d} of {t:7d} samples")
-        print(f"instructions")
+        print("instructions")
         hot = sorted((i for i in instrs if i.stalls.get(args.reason)), key=lambda i: -i.stalls[args.reason])
         for i in hot[:args.top]:
             print(f"  {i.address - base:#8x} {i.stalls[args.reason]:7d}  {i.source.strip()[:56]}")
