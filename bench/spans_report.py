@@ -11,7 +11,10 @@ Two tables, medians over the profiled steps after the first:
 * one layer's calls: first begin, median end and last end, in us from the step's start (the spread between
   the median and the last end is the call's straggler tail);
 * a layer's hops: the same three times of each call after the previous call's last end, medians over the
-  middle layers (what each link of the dependency chain adds to the step).
+  middle layers (what each link of the dependency chain adds to the step);
+* each call's bodies: the median instance's body and the last-ending instance's, medians over the middle
+  layers. Where the last instance does more than the others (attention's: the chunk that arrives last also
+  merges the head's partials), their difference is what that extra work costs the chain.
 """
 from __future__ import annotations
 
@@ -100,6 +103,23 @@ def hops(records, call_of, labels, step) -> dict:
     return {k: tuple(float(np.median([r[j] for r in v])) for j in range(3)) for k, v in rows.items()}
 
 
+def last_bodies(records, call_of, labels, step) -> dict:
+    """Per call kind of the middle layers "L<n>.": (median instance body, the last-ending instance's body) in us,
+    medians over the layers."""
+    layers = sorted({int(m.group(1)) for lb in labels if (m := re.match(r"^L(\d+)\.", lb))})
+    mid = set(layers[1:-1] if len(layers) >= 3 else layers)
+    r, ci = _step_rows(records, call_of, step)
+    rows: dict = {}
+    for i, lb in enumerate(labels):
+        m = re.match(r"^L(\d+)\.", lb)
+        x = r[ci == i]
+        if not m or int(m.group(1)) not in mid or not len(x):
+            continue
+        body = (x[:, END] - x[:, BEGIN]) / 1e3
+        rows.setdefault(call_kind(lb), []).append((float(np.median(body)), float(body[np.argmax(x[:, END])])))
+    return {k: tuple(float(np.median([v[j] for v in vs])) for j in range(2)) for k, vs in rows.items()}
+
+
 def _median_of(dicts: list) -> dict:
     out = {k: float(np.median([d[k] for d in dicts])) for k in dicts[0] if k != "kinds"}
     out["kinds"] = {k: tuple(float(np.median([d["kinds"][k][j] for d in dicts])) for j in (0, 1))
@@ -126,6 +146,11 @@ def report(path, layer: int = 1) -> str:
         lines.append(f"  a layer's hops, step {mid} (us after the previous call's last end, medians over the middle "
                      "layers): first begin / median end / last end")
         lines += [f"  {k:14s} {b:8.1f} {me:8.1f} {le:8.1f}" for k, (b, me, le) in h.items()]
+    lb = last_bodies(records, call_of, labels, mid)
+    if lb:
+        lines.append(f"  each call's bodies, step {mid} (us, medians over the middle layers): median instance / the "
+                     "last-ending instance / its extra")
+        lines += [f"  {k:14s} {m:8.2f} {x:8.2f} {x - m:8.2f}" for k, (m, x) in lb.items()]
     return "\n".join(lines)
 
 

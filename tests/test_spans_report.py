@@ -57,3 +57,19 @@ def test_hops_measure_each_call_after_the_previous_calls_last_end(tmp_path):
     # L1.b begins at 6.5 and ends at 8.0: 0.5 and 2.0 after L1.a's end
     assert np.allclose(h["a"], (-0.5, 4.0, 4.0)) and np.allclose(h["b"], (0.5, 2.0, 2.0))
     assert "a layer's hops" in spans_report.report(path, layer=1)
+
+
+def test_last_bodies_give_what_the_last_instance_does_more(tmp_path):
+    """Per call kind of the middle layer: the median body and the last-ending instance's (a merging chunk)."""
+    labels = ["L0.attn", "L1.attn", "L2.attn"]
+    call_of = np.array([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    # (uid, worker, body_begin, body_end): in L1 the bodies are 3, 3 and 5 us, the 5 us one ending last
+    spans = [(0, 0, 0, 1000), (1, 1, 0, 1000), (2, 2, 0, 1000),
+             (3, 0, 2000, 5000), (4, 1, 2500, 5500), (5, 2, 2000, 7000),
+             (6, 0, 8000, 9000), (7, 1, 8000, 9000), (8, 2, 8000, 9000)]
+    rows = [(1, uid, w, bb, bb, be) for uid, w, bb, be in spans]
+    path = tmp_path / "b.npz"
+    np.savez_compressed(path, records=_records(rows), call_of=call_of, labels=np.array(labels))
+    rec, co, lb = spans_report.load(path)
+    assert spans_report.last_bodies(rec, co, lb, 1) == {"attn": (3.0, 5.0)}
+    assert "last-ending instance" in spans_report.report(path, layer=1)
