@@ -87,12 +87,18 @@ def timeline(records, call_of, labels, step, prefix: str) -> list:
     return rows
 
 
+def _layers(labels) -> tuple[list, list]:
+    """The layer numbers n of the labels "L<n>.", and the middle ones (the first and last left out where there
+    are three or more): the layers a median over layers takes."""
+    layers = sorted({int(m.group(1)) for lb in labels if (m := re.match(r"^L(\d+)\.", lb))})
+    return layers, layers[1:-1] if len(layers) >= 3 else layers
+
+
 def hops(records, call_of, labels, step) -> dict:
     """A layer's chain, one hop per call: for each call kind of the layers "L<n>." (the first and last layer
     left out where there are three or more), its first begin, median end and last end in us after the previous
     call's last end (the layer's first call: after the previous layer's last call), medians over the layers."""
-    layers = sorted({int(m.group(1)) for lb in labels if (m := re.match(r"^L(\d+)\.", lb))})
-    mid = layers[1:-1] if len(layers) >= 3 else layers
+    layers, mid = _layers(labels)
     rows: dict = {}
     prev_end = None
     for n in layers:
@@ -106,8 +112,7 @@ def hops(records, call_of, labels, step) -> dict:
 def last_bodies(records, call_of, labels, step) -> dict:
     """Per call kind of the middle layers "L<n>.": (median instance body, the last-ending instance's body) in us,
     medians over the layers."""
-    layers = sorted({int(m.group(1)) for lb in labels if (m := re.match(r"^L(\d+)\.", lb))})
-    mid = set(layers[1:-1] if len(layers) >= 3 else layers)
+    mid = set(_layers(labels)[1])
     r, ci = _step_rows(records, call_of, step)
     rows: dict = {}
     for i, lb in enumerate(labels):
