@@ -228,14 +228,6 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
   }
 }
 
-// The fused form (out and arrivals given; the splitter keeps every q head of a kv head in one instance):
-// the last of the kv head's nchunks instances to arrive merges all their partials into out, with the
-// arithmetic of attention_merge, so o_proj waits on this call alone. The instance's pointers sit at its own
-// chunk: chunk 0's partials lie cidx * G slots back, and its claim on out starts cidx * G * HD / nchunks
-// elements into the head's G * HD outputs (tasks/attention.py, out_claim; each instance claims a disjoint
-// piece, so a reader of out waits for all of them).
-// One copy for every head size and width, run after the body (a copy inside each instantiation spilled the
-// kernel that holds every built-in type; a called function did too).
 // MEGART_ATTN_MERGE_VEC (opt-in until measured on the GPU): the fused merge with a tenth of the loads. The
 // per-output loop below has every thread load its head's (m, l) of every chunk itself (a warp-wide broadcast
 // each) and one f32 of o per chunk: 48 loads per thread, 384 per CTA at the 1B shape, and one such pass cost
@@ -305,6 +297,14 @@ __device__ __forceinline__ bool merge_vec(const P& p, char* smem) {
   return true;
 }
 
+// The fused form (out and arrivals given; the splitter keeps every q head of a kv head in one instance):
+// the last of the kv head's nchunks instances to arrive merges all their partials into out, with the
+// arithmetic of attention_merge, so o_proj waits on this call alone. The instance's pointers sit at its own
+// chunk: chunk 0's partials lie cidx * G slots back, and its claim on out starts cidx * G * HD / nchunks
+// elements into the head's G * HD outputs (tasks/attention.py, out_claim; each instance claims a disjoint
+// piece, so a reader of out waits for all of them).
+// One copy for every head size and width, run after the body (a copy inside each instantiation spilled the
+// kernel that holds every built-in type; a called function did too).
 template <class P>
 __device__ __forceinline__ void merge_if_last(const P& p, char* smem) {
   int* s_last = reinterpret_cast<int*>(smem);  // (the partials' staging rounds are over)
