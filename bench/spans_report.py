@@ -87,10 +87,16 @@ def timeline(records, call_of, labels, step, prefix: str) -> list:
     return rows
 
 
+def _layer(label: str) -> int | None:
+    """n of a label "L<n>.<call>", None for a label outside a layer."""
+    m = re.match(r"^L(\d+)\.", label)
+    return int(m.group(1)) if m else None
+
+
 def _layers(labels) -> tuple[list, list]:
-    """The layer numbers n of the labels "L<n>.", and the middle ones (the first and last left out where there
-    are three or more): the layers a median over layers takes."""
-    layers = sorted({int(m.group(1)) for lb in labels if (m := re.match(r"^L(\d+)\.", lb))})
+    """The layer numbers of the labels, and the middle ones (the first and last left out where there are three
+    or more): the layers a median over layers takes."""
+    layers = sorted({n for lb in labels if (n := _layer(lb)) is not None})
     return layers, layers[1:-1] if len(layers) >= 3 else layers
 
 
@@ -116,9 +122,8 @@ def last_bodies(records, call_of, labels, step) -> dict:
     r, ci = _step_rows(records, call_of, step)
     rows: dict = {}
     for i, lb in enumerate(labels):
-        m = re.match(r"^L(\d+)\.", lb)
         x = r[ci == i]
-        if not m or int(m.group(1)) not in mid or not len(x):
+        if _layer(lb) not in mid or not len(x):
             continue
         body = (x[:, END] - x[:, BEGIN]) / 1e3
         rows.setdefault(call_kind(lb), []).append((float(np.median(body)), float(body[np.argmax(x[:, END])])))

@@ -230,8 +230,9 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
 
 // MEGART_ATTN_MERGE_VEC (opt-in until measured on the GPU): the fused merge with a tenth of the loads. The
 // per-output loop below has every thread load its head's (m, l) of every chunk itself (a warp-wide broadcast
-// each) and one f32 of o per chunk: 48 loads per thread, 384 per CTA at the 1B shape, and one such pass cost
-// ~1.7 us on the step's critical path where a single load costs 0.2 (bench/RESULTS.md, seventeenth session).
+// each) and one f32 of o per chunk: 48 loads per thread, 384 per CTA at the 1B shape; thread 0 alone repeating
+// its 48 cost ~1.7 us on the step's critical path where a single load cost 0.2 (bench/RESULTS.md, seventeenth
+// session).
 // Here the (m, l) pairs are loaded once into shared memory, each (head, chunk) weight w = exp2((m - M) log2 e)
 // is computed once, and a thread merges 4 consecutive outputs from 16-byte loads of o (16 chunks' in flight
 // together). Each output's arithmetic is merge_point's, in its order, so the bits are the same. The loops are
