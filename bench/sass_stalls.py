@@ -10,7 +10,7 @@ load; short_sb = on shared memory or a conversion; wait = a fixed dependency; ba
 Three tables: the stall reasons over the whole kernel, the opcodes that collect the most samples (with
 their top reasons), and the hottest instructions. --around OPCODE also sums the samples of each code
 region around that opcode's clusters (e.g. the fp8 dot loops around F2FP.F16.E4M3), to tell a loop that
-issues from one that waits. --reason R (e.g. no_instructions: a warp waiting for its next instruction to be
+issues from one that waits. --reason R (e.g. no_inst: a warp waiting for its next instruction to be
 fetched, an instruction-cache miss) lists the code windows and instructions where that reason's samples
 fall. The first line also gives the code the run executed (instructions executed at least once, 16 bytes
 each), the footprint that has to fit the SM's instruction caches. The samples cover every warp, the
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=25, help="rows of the opcode and instruction tables")
     ap.add_argument("--around", default=None, help="sum the code regions around this opcode's clusters")
     ap.add_argument("--reason", default=None,
-                    help="where one stall reason's samples fall (code windows, instructions), e.g. no_instructions")
+                    help="where one stall reason's samples fall (code windows, instructions), e.g. no_inst")
     args = ap.parse_args(argv)
     try:
         instrs = read(args.csv)

@@ -54,7 +54,7 @@ header_constants(ATTENTION_HEADERS[0], "megart_attn", {
     "kModeRope": MODE_ROPE, "kModeNorm": MODE_NORM, "kModeCache": MODE_CACHE, "kModeHeadNorm": MODE_HEAD_NORM,
     "kModeTaggedX": MODE_TAGGED_X, "kModeTaggedOut": MODE_TAGGED_OUT, "kModeParts": MODE_PARTS,
     "kQkvMaxD": QKV_MAX_D, "kQkvMaxRows": QKV_MAX_ROWS, "kAttnStageWarps": ATTN_STAGE_WARPS,
-    "kLowRegThreads": LOW_REG_THREADS, "kAttnMergeSmem": SMEM_ATTN_MERGE})
+    "kLowRegThreads": LOW_REG_THREADS})
 ATTN_RING = 64 * 1024                       # attention_decode's K/V ring (MEGART_ATTN_RING_BYTES), any thread count
 SMEM_ATTN = max(SMEM_ATTN_MERGE, ATTN_RING)  # the merge reuses the ring's bytes once it is drained
 

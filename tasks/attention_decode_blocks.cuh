@@ -228,76 +228,6 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
   }
 }
 
-// MEGART_ATTN_MERGE_VEC (opt-in until measured on the GPU): the fused merge with a tenth of the loads. The
-// per-output loop below has every thread load its head's (m, l) of every chunk itself (a warp-wide broadcast
-// each) and one f32 of o per chunk: 48 loads per thread, 384 per CTA at the 1B shape; thread 0 alone repeating
-// its 48 cost ~1.7 us on the step's critical path where a single load cost 0.2 (bench/RESULTS.md, seventeenth
-// session).
-// Here the (m, l) pairs are loaded once into shared memory, each (head, chunk) weight w = exp2((m - M) log2 e)
-// is computed once, and a thread merges 4 consecutive outputs from 16-byte loads of o (16 chunks' in flight
-// together). Each output's arithmetic is merge_point's, in its order, so the bits are the same. The loops are
-// kept rolled where unrolling buys nothing (one load per thread at the 1B shape): the merge runs once per kv
-// head and layer, so its code is cold, and straight-line code is fetched as it runs.
-#ifndef MEGART_ATTN_MERGE_VEC
-#define MEGART_ATTN_MERGE_VEC 0
-#endif
-template <class P>
-__device__ __forceinline__ bool merge_vec(const P& p, char* smem) {
-  const int G = p.group, HD = p.hd, C = p.nchunks, n = G * HD;
-  if (16 + 12 * C * G > kAttnMergeSmem) return false;  // (more chunks than its shared memory holds: per output)
-  const float* ml = p.part_ml - p.cidx * G * 2;         // [C][G][m, l]
-  const float* po = p.part_o - p.cidx * n;              // [C][G][HD]
-  if (reinterpret_cast<unsigned long long>(po) % 16 != 0) return false;  // (a part_o view off 16 bytes)
-  float* s_ml = reinterpret_cast<float*>(smem + 16);    // (after s_last) the (m, l) pairs, as in memory
-  float* s_w = s_ml + 2 * C * G;                        // [G][C] the chunks' weights
-#pragma unroll 1
-  for (int i = threadIdx.x; i < 2 * C * G; i += MEGART_THREADS) s_ml[i] = ld_in_f32(ml + i);
-  __syncthreads();
-#pragma unroll 1
-  for (int i = threadIdx.x; i < C * G; i += MEGART_THREADS) {
-    const int g = i / C, c = i % C;
-    float M = neg_inf();
-#pragma unroll 4
-    for (int k = 0; k < C; ++k) M = fmaxf(M, s_ml[(k * G + g) * 2]);
-    // (M = -inf: every chunk empty, so l = o = 0 and a zero weight gives merge_point's 0)
-    s_w[i] = M != neg_inf() ? exp2f((s_ml[(c * G + g) * 2] - M) * kLog2e) : 0.f;
-  }
-  __syncthreads();
-  const int back = p.cidx * n / C;
-  constexpr int B = 16;  // chunks whose o loads are in flight together (all of them at the default split)
-#pragma unroll 1
-  for (int t4 = 4 * threadIdx.x; t4 < n; t4 += 4 * MEGART_THREADS) {
-    const int g = t4 / HD;  // (HD % 4 == 0: the 4 outputs share their head)
-    const float* w = s_w + g * C;
-    float L = 0.f, O[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
-    for (int c0 = 0; c0 < C; c0 += B) {
-      uint4 o[B];
-#pragma unroll
-      for (int k = 0; k < B; ++k)
-        if (c0 + k < C) o[k] = ld_in16(po + (c0 + k) * n + t4);
-#pragma unroll
-      for (int k = 0; k < B; ++k) {
-        if (c0 + k < C) {
-          const int c = c0 + k;
-          L = fmaf(w[c], s_ml[(c * G + g) * 2 + 1], L);
-          O[0] = fmaf(w[c], __uint_as_float(o[k].x), O[0]);
-          O[1] = fmaf(w[c], __uint_as_float(o[k].y), O[1]);
-          O[2] = fmaf(w[c], __uint_as_float(o[k].z), O[2]);
-          O[3] = fmaf(w[c], __uint_as_float(o[k].w), O[3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const __nv_bfloat16 v = __float2bfloat16_rn(L > 0.f ? O[e] / L : 0.f);
-      if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out) - back, t4 + e, v);
-      else (p.out - back)[t4 + e] = v;
-    }
-  }
-  return true;
-}
-
 // The fused form (out and arrivals given; the splitter keeps every q head of a kv head in one instance):
 // the last of the kv head's nchunks instances to arrive merges all their partials into out, with the
 // arithmetic of attention_merge, so o_proj waits on this call alone. The instance's pointers sit at its own
@@ -314,9 +244,6 @@ __device__ __forceinline__ void merge_if_last(const P& p, char* smem) {
   __syncthreads();
   megart::span_mark(1);  // (profiled builds: partials stored, arrival counted)
   if (!*s_last) return;
-  // (not beside more than 256 compute threads: the 12-warp stream kernel, at 128 registers, spilled with it)
-  if constexpr (MEGART_ATTN_MERGE_VEC && MEGART_THREADS <= 256)
-    if (merge_vec(p, smem)) return;
   const int G = p.group, HD = p.hd, C = p.nchunks, n = G * HD;  // (32-bit offsets: n * C < 2^31)
   const float* ml = p.part_ml - p.cidx * G * 2;
   const float* po = p.part_o - p.cidx * n;

@@ -1,7 +1,6 @@
 """The fused attention merge on the GPU (attention_decode with out and arrivals: the last chunk of each kv head
 to finish merges the head's partials): the Llama-1B step writes the same bits with it as with attention_merge
-as its own call, and so does its form with a tenth of the loads (MEGART_ATTN_MERGE_VEC=1); it leaves every
-arrival counter at 0, and an abort zeroes counters a step left mid-count.
+as its own call, leaves every arrival counter at 0, and an abort zeroes counters a step left mid-count.
 
 Run: PYTHONPATH=. MEGART_REQUIRE_GPU=1 python -m pytest -q tests/gpu/test_attention_merge_gpu.py
 """
@@ -26,21 +25,18 @@ def test_fused_and_call_merge_give_the_same_bits_in_the_1b_step(cuda):
     cfg = llama.llama_1b()
     W, kv0 = make_weights(cfg, device="cuda"), make_kv_cache(cfg, device="cuda")
     runs = {}
-    for how in ("fused", "fused_vec", "call"):
-        defines = {"MEGART_ATTN_MERGE_VEC": 1} if how == "fused_vec" else None
-        m = llama.LlamaModel(cfg, W, clone_kv(kv0), attn_merge=how.split("_")[0], defines=defines)
-        assert m.merge_fused == how.startswith("fused")
+    for how in ("fused", "call"):
+        m = llama.LlamaModel(cfg, W, clone_kv(kv0), attn_merge=how)
+        assert m.merge_fused == (how == "fused")
         m.reset(cfg.prefill, token=17)
         runs[how] = m.generate(8).clone(), m.logits.clone(), [k[:, cfg.prefill:cfg.prefill + 8].clone() for k, _ in m.kv]
         if m.merge_fused:
             assert not any(a.any() for a in m.arrivals), "an arrival counter was left non-zero after a step"
         del m
         torch.cuda.empty_cache()
-    (t_c, l_c, k_c) = runs["call"]
-    for how in ("fused", "fused_vec"):
-        t_f, l_f, k_f = runs[how]
-        assert torch.equal(t_f, t_c) and torch.equal(l_f, l_c), how
-        assert all(torch.equal(a, b) for a, b in zip(k_f, k_c)), how
+    (t_f, l_f, k_f), (t_c, l_c, k_c) = runs["fused"], runs["call"]
+    assert torch.equal(t_f, t_c) and torch.equal(l_f, l_c)
+    assert all(torch.equal(a, b) for a, b in zip(k_f, k_c))
 
 
 def test_an_abort_zeroes_the_arrival_counters(cuda):
