@@ -33,7 +33,23 @@ constexpr bool kStreamWaits = true;
 #else
 constexpr bool kStreamWaits = false;
 #endif
-#if defined(MEGART_PROFILE) && defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS
+// MEGART_PHASE_MARKS=2 (a diagnostic) stamps the warps' spread instead: mark 1 is reached by every compute
+// warp (a dense body's dots and epilogues done), and the record keeps the first warp's time as mark 0 and the
+// last one's as mark 1 (lane 0 of each warp, the warp's index in the time's low 4 bits; mark-0 calls are
+// ignored). An instance whose body never reaches
+// mark 1 records both at its begin (csrc/worker_loop.cuh).
+#if defined(MEGART_PROFILE) && defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS == 2
+constexpr bool kWarpSpreadMarks = true;
+static_assert(MEGART_THREADS <= 512, "MEGART_PHASE_MARKS=2 keeps a warp index in 4 bits");
+__device__ __forceinline__ void span_mark(int i) {
+  if (i == 1 && (threadIdx.x & 31) == 0) {  // (the warp's index in the low 4 bits: which warp came first / last)
+    const unsigned long long t = (globaltimer() & ~0xfull) | (threadIdx.x >> 5);
+    atomicMin(&s_span_mark[0], t);
+    atomicMax(&s_span_mark[1], t);
+  }
+}
+#elif defined(MEGART_PROFILE) && defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS
+constexpr bool kWarpSpreadMarks = false;
 __device__ __forceinline__ void span_mark(int i) {
   if (threadIdx.x == 0) {
     const unsigned long long t = globaltimer();
@@ -42,6 +58,7 @@ __device__ __forceinline__ void span_mark(int i) {
   }
 }
 #else
+constexpr bool kWarpSpreadMarks = false;
 __device__ __forceinline__ void span_mark(int) {}
 #endif
 

@@ -131,6 +131,7 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
     if (threadIdx.x == 0) {
       s_span_t[1] = globaltimer();
       s_span_mark[0] = s_span_mark[1] = kStreamWaits ? 0ull : s_span_t[1];
+      if (kWarpSpreadMarks) s_span_mark[0] = ~0ull;  // (the first warp's time: an atomicMin)
 #if MEGART_STREAM_SLOTS > 0
       stream_waits_begin();
 #endif
@@ -149,6 +150,7 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
 #if MEGART_STREAM_SLOTS > 0
       stream_waits_finish(s_span_t[1]);
 #endif
+      if (kWarpSpreadMarks && s_span_mark[0] == ~0ull) s_span_mark[0] = s_span_mark[1] = s_span_t[1];
       span_record(sink, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance], w, s_span_t[0], s_span_t[1], t_end, gen);
 #endif
     }

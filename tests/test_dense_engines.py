@@ -265,7 +265,8 @@ def test_prewait_and_drain_are_dispatched_for_the_ring_types_only():
 
 def test_phase_marks_compile_to_nothing_unless_asked(tmp_path):
     """A profiled build without MEGART_PHASE_MARKS is the same machine code as one whose bodies never call
-    span_mark (the stamps would lengthen the instances a faithful number times); with it, they are in."""
+    span_mark (the stamps would lengthen the instances a faithful number times); with it, they are in (=2: the
+    warps' spread, a different stamp)."""
     import re
     unmarked, calls = {}, 0
     for header in ("dense_common.cuh", "dense_engines.cuh"):
@@ -277,7 +278,8 @@ def test_phase_marks_compile_to_nothing_unless_asked(tmp_path):
     assert calls >= 3
     cubins = {}
     for name, kw in (("default", {}), ("unmarked", dict(source_overrides=unmarked)),
-                     ("marks", dict(defines={"MEGART_PHASE_MARKS": 1}))):
+                     ("marks", dict(defines={"MEGART_PHASE_MARKS": 1})),
+                     ("spread", dict(defines={"MEGART_PHASE_MARKS": 2}))):
         pk = megart.PersistentKernel(nw=4, device="cpu", profile=True, **kw)
         T = pk.tensor
         pk.task("gemv_m1", y=T(torch.zeros(64, dtype=torch.bfloat16), "y"),
@@ -286,3 +288,4 @@ def test_phase_marks_compile_to_nothing_unless_asked(tmp_path):
         cubins[name] = pk.compile().compiled.cubin
     assert cubins["default"] == cubins["unmarked"]
     assert cubins["marks"] != cubins["default"]
+    assert cubins["spread"] not in (cubins["default"], cubins["marks"])  # (2: the first and last warp's stamps)
