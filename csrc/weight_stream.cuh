@@ -232,11 +232,10 @@ __device__ __forceinline__ ClaimSlot* claim_slot(int q) {
   }
   return owner == q ? &c : nullptr;
 }
-// Producer lane: the next pair of `groups` for its warp, or -1 (none left, or the warp may take no more:
-// !may); the lane's last call on an entry returns -1, and the last lane's frees the slot.
-__device__ __forceinline__ int claim_next(int q, int groups, bool may) {
+// Producer lane: the next pair of `groups` for its warp, or -1; the last lane whose claim fails frees the slot.
+__device__ __forceinline__ int claim_next(int q, int groups) {
   ClaimSlot& c = s_stream.claim[q % kClaimSlots];
-  const int g = may ? claim_add(&c.next, 1) : groups;
+  const int g = claim_add(&c.next, 1);
   if (g < groups) return g;
   if (claim_add(&c.left, -1) == 1) {
     c.next = kStreamWarps;

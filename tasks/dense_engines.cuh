@@ -338,16 +338,11 @@ static_assert(kStreamSlotBytes == kSlotBytes, "megart/stream.py SLOT_BYTES disag
 struct DenseStreamState {
   StreamRows rows;
   StageCursor st;
-  int taken;  // (MEGART_STREAM_CLAIM) the entry's pairs this warp has taken: at most its dealt share's ceiling
 };
 static_assert(sizeof(DenseStreamState) <= sizeof(WarpStream::cursor), "DenseStreamState does not fit WarpStream::cursor");
 
 // Producer lane, once per (warp, entry): the plan's rows and the warp's first stage.
-// (MEGART_STREAM_CLAIM, whole pairs per warp: the cursor's k holds the pair claimed after the current one. A
-// warp takes at most the pairs the round-robin deal gives its busiest warp: claims are made as far ahead as the
-// ring reaches, and a lane with room while the previous call's tail drains (say, during down, for qkv's 12
-// pairs) would otherwise take several before the others open the entry: qkv +38 us per step.)
-__device__ __forceinline__ int claim_cap(int groups) { return (groups + kWarps - 1) / kWarps; }
+// (MEGART_STREAM_CLAIM, whole pairs per warp: the cursor's k holds the pair claimed after the current one.)
 template <class Plan>
 __device__ __forceinline__ int stream_open(const Plan& plan, WarpStream& ws, int warp) {
   DenseStreamState& s = *reinterpret_cast<DenseStreamState*>(ws.cursor);
@@ -356,8 +351,7 @@ __device__ __forceinline__ int stream_open(const Plan& plan, WarpStream& ws, int
 #if MEGART_STREAM_CLAIM
   if (plan.groups >= kWarps) {
     if (claim_slot(ws.q) == nullptr) return kOpenLater;
-    s.taken = 1;
-    s.st.k = claim_next(ws.q, plan.groups, claim_cap(plan.groups) > 1);
+    s.st.k = claim_next(ws.q, plan.groups);
   }
 #endif
   return s.st.live ? kOpenStages : kOpenNone;
@@ -396,7 +390,7 @@ __device__ __forceinline__ bool dense_stage_next(WarpStream& ws, int warp, int s
       if (st.live) {
         st.s = dense::Segment{st.k, 0, st.kc};
         st.c = 0;
-        st.k = claim_next(ws.q, st.groups, ++s.taken < dense::claim_cap(st.groups));
+        st.k = claim_next(ws.q, st.groups);
       }
     }
     return true;
