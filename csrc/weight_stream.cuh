@@ -163,18 +163,6 @@ constexpr bool kProducerWarp = true;
 // slot the producer waited on and that was never read.
 constexpr int kHangSlotFree = MEGART_STREAM_HANG_FREE;  // (megart/stream.py decodes it)
 
-#ifndef MEGART_STREAM_CLAIM
-#define MEGART_STREAM_CLAIM 0
-#endif
-#if MEGART_STREAM_CLAIM
-constexpr int kClaimSlots = 16;  // (MEGART_STREAM_CLAIM, below)
-struct ClaimSlot {
-  int q;     // the queue entry whose pairs it counts (-1: free)
-  int next;  // the next pair to claim (pairs below kStreamWarps are dealt)
-  int left;  // lanes whose claims on entry q have not yet failed
-  int pad;
-};
-#endif
 // Launch-wide state, one per CTA (static shared memory): where the queue is, what the watchdog needs,
 // each warp's producer state and its slots' mbarriers.
 struct StreamShared {
@@ -190,64 +178,8 @@ struct StreamShared {
   long long gen;  // this launch's step (the worker loop's generation; 0 in the host simulation)
 #endif
   WarpStream warp[kStreamWarps];
-#if MEGART_STREAM_CLAIM
-  ClaimSlot claim[kClaimSlots];
-  int claim_tag[kStreamWarps * kStreamSlots];  // per (warp, slot): the pair after this stage's, or -1
-#endif
 };
 __shared__ StreamShared s_stream;
-
-// Claimed row pairs (MEGART_STREAM_CLAIM=1, opt-in while measured): in a dense entry where every compute warp
-// has whole row pairs, warp w's first pair is pair w and its later ones are claimed from a counter of the
-// entry that its producer lane advances, one pair ahead of the stages it issues, so a warp that reads faster
-// takes more of the entry's pairs and the warps of a CTA finish together (with pairs dealt round-robin they
-// finished up to ~4 us apart in the 1B step's gate_up). The lane tells its warp the pair that follows in the
-// last stage of each pair (s_stream.claim_tag, written before the stage's expect-tx arrive, read after its wait).
-// A pair's dots are the same whichever warp takes it, so the sums are the dealt form's bit for bit.
-// Each entry's counter lives in slot q % kClaimSlots from the first lane's open to the last lane's failed
-// claim; a lane that finds the slot still another entry's opens later (every lane ends its claims on an
-// entry before its warp reads that entry's last pair, so the slot frees before any warp needs the next).
-#if MEGART_STREAM_CLAIM
-__device__ __forceinline__ int claim_add(int* p, int v) {
-#ifdef __CUDA_ARCH__
-  return atomicAdd(p, v);
-#else
-  const int old = *p;  // (the host simulation runs one fiber at a time)
-  *p += v;
-  return old;
-#endif
-}
-// Producer lane: entry q's claim slot, taking it if it is free; null while it still counts another entry's.
-__device__ __forceinline__ ClaimSlot* claim_slot(int q) {
-  ClaimSlot& c = s_stream.claim[q % kClaimSlots];
-  int owner = *reinterpret_cast<volatile int*>(&c.q);
-  if (owner == -1) {
-#ifdef __CUDA_ARCH__
-    owner = atomicCAS(&c.q, -1, q);
-    __threadfence_block();  // (the counters' reset, ordered before the free mark, is seen)
-#else
-    c.q = q;
-#endif
-    if (owner == -1) owner = q;
-  }
-  return owner == q ? &c : nullptr;
-}
-// Producer lane: the next pair of `groups` for its warp, or -1; the last lane whose claim fails frees the slot.
-__device__ __forceinline__ int claim_next(int q, int groups) {
-  ClaimSlot& c = s_stream.claim[q % kClaimSlots];
-  const int g = claim_add(&c.next, 1);
-  if (g < groups) return g;
-  if (claim_add(&c.left, -1) == 1) {
-    c.next = kStreamWarps;
-    c.left = kStreamWarps;
-#ifdef __CUDA_ARCH__
-    __threadfence_block();
-#endif
-    *reinterpret_cast<volatile int*>(&c.q) = -1;
-  }
-  return -1;
-}
-#endif
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
 // MEGART_STREAM_WAITS (lane 0 of each compute warp): when the warp first asked for a stage in this instance
 // (0: not yet), and when it got the stage it is reading.
@@ -440,9 +372,6 @@ __device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int 
 #endif
 #endif
     s_stream.queue_pos = s_stream.type = s_stream.instance = -1;
-#if MEGART_STREAM_CLAIM
-    for (int i = 0; i < kClaimSlots; ++i) s_stream.claim[i] = ClaimSlot{-1, kStreamWarps, kStreamWarps, 0};
-#endif
   }
   cta_sync_all();
   const int lane = threadIdx.x & 31;

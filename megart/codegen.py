@@ -84,7 +84,7 @@ def _switch(fn: str, args: str, cases: list[str], default: str = "break;") -> st
 # The weight stream's stage formats (TaskType.stream_format): ws.format's number, how an entry opens (from
 # its params struct `p`) and the function that issues its next stage.
 STREAM_FORMATS = {
-    "dense": (0, "dense::stream_open({plan}(p), ws, warp)", "dense_stage_next"),
+    "dense": (0, "dense::stream_open({plan}(p), ws, warp) ? kOpenStages : kOpenNone", "dense_stage_next"),
     "kv": (1, "megart_attn::kv_stream_open(p, ws, warp)", "megart_attn::kv_stage_next"),
 }
 

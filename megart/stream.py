@@ -26,7 +26,6 @@ WARP_STATE_BYTES = 88          # per compute warp: its producer state (csrc/weig
 KV_POS_STATIC = 16             # per warp, with attention's K/V on the stream: the pos its producer lane read
 BARRIER_BYTES = 16             # static, per compute warp and slot: its "full" and "empty" mbarriers
 ATTN_TAGGED_STATIC = 528       # and attention_decode's staged new row (its tagged form, or K/V on the stream)
-CLAIM_STATIC = 256             # MEGART_STREAM_CLAIM: 16 claim counters (and a 4-byte tag per warp and slot)
 MAX_SLOTS = 8                  # past this the warps' stages already cover several us of HBM time
 DEFAULT_STAGE_CHUNKS = 128     # measured fastest on the Llama-1B step with 4 producer warps (bench/RESULTS.md)
 STAGE_CHUNKS = (64, 128, 256)  # 16-byte chunks per row in one stage (MEGART_STREAM_STAGE): smaller stages
@@ -128,8 +127,7 @@ def static_reserve(cfg: KernelConfig, slots: int) -> int:
     return (STATIC_BASE + (WARP_STATE_BYTES + BARRIER_BYTES * slots) * warps
             + (ATTN_TAGGED_STATIC if tagged_attn or kv else 0)
             + (warps * KV_POS_STATIC if kv else 0)   # (and the staged new row above)
-            + (warps * 16 if waits else 0)  # (the diagnostic's two stamps per warp)
-            + (CLAIM_STATIC + 4 * warps * slots if macro_on(cfg, "MEGART_STREAM_CLAIM") else 0))
+            + (warps * 16 if waits else 0))  # (the diagnostic's two stamps per warp)
 
 
 def slot_bytes(stage_chunks: int) -> int:

@@ -342,19 +342,12 @@ struct DenseStreamState {
 static_assert(sizeof(DenseStreamState) <= sizeof(WarpStream::cursor), "DenseStreamState does not fit WarpStream::cursor");
 
 // Producer lane, once per (warp, entry): the plan's rows and the warp's first stage.
-// (MEGART_STREAM_CLAIM, whole pairs per warp: the cursor's k holds the pair claimed after the current one.)
 template <class Plan>
-__device__ __forceinline__ int stream_open(const Plan& plan, WarpStream& ws, int warp) {
+__device__ __forceinline__ bool stream_open(const Plan& plan, WarpStream& ws, int warp) {
   DenseStreamState& s = *reinterpret_cast<DenseStreamState*>(ws.cursor);
   s.rows = plan.rows.stream_rows();
   s.st = StageCursor(plan.groups, plan.kc, warp);
-#if MEGART_STREAM_CLAIM
-  if (plan.groups >= kWarps) {
-    if (claim_slot(ws.q) == nullptr) return kOpenLater;
-    s.st.k = claim_next(ws.q, plan.groups);
-  }
-#endif
-  return s.st.live ? kOpenStages : kOpenNone;
+  return s.st.live;
 }
 }  // namespace dense
 
@@ -370,10 +363,6 @@ __device__ __forceinline__ bool dense_stage_next(WarpStream& ws, int warp, int s
   const int n = min(dense::kStageChunks, st.s.c1 - st.c);
   unsigned long long* b = stream_full(warp, slot);
   const uint4* dst = reinterpret_cast<const uint4*>(stream_slot(warp, slot));
-#if MEGART_STREAM_CLAIM
-  const bool claimed = st.groups >= dense::kWarps;
-  if (claimed && st.c + dense::kStageChunks >= st.s.c1) s_stream.claim_tag[warp * kStreamSlots + slot] = st.k;
-#endif
   mbar_expect(b, 2u * 16u * (unsigned)n);
 #ifdef __CUDA_ARCH__
   const unsigned long long pol = l2_evict_first();
@@ -382,20 +371,6 @@ __device__ __forceinline__ bool dense_stage_next(WarpStream& ws, int warp, int s
 #endif
   bulk_load_hint(dst, reinterpret_cast<const uint4*>(r0) + st.c, 16u * n, b, pol);
   bulk_load_hint(dst + dense::kStageChunks, reinterpret_cast<const uint4*>(r1) + st.c, 16u * n, b, pol);
-#if MEGART_STREAM_CLAIM
-  if (claimed) {  // the pair's last stage issued: on to the claimed pair, and claim the one after it
-    st.c += dense::kStageChunks;
-    if (st.c >= st.s.c1) {
-      st.live = st.k >= 0;
-      if (st.live) {
-        st.s = dense::Segment{st.k, 0, st.kc};
-        st.c = 0;
-        st.k = claim_next(ws.q, st.groups);
-      }
-    }
-    return true;
-  }
-#endif
   st.next();
   return true;
 }
@@ -405,27 +380,6 @@ namespace dense {
 template <bool FP8, class Epi>
 __device__ __forceinline__ void matvec_stream(int groups, int kc, const uint4* xs, float* red, Epi epi) {
   const int warp = threadIdx.x >> 5;
-#if MEGART_STREAM_CLAIM
-  if (groups >= kWarps) {  // pair `warp`, then the pairs the producer lane claimed (each pair's last stage names the next)
-    unsigned j = stream_read_begin(warp);
-    for (int g = warp; g >= 0;) {
-      float acc[2] = {0.f, 0.f};
-      int next = -1;
-      for (int c = 0; c < kc; c += kStageChunks) {
-        const uint4* slot = reinterpret_cast<const uint4*>(stream_acquire(warp, j));
-        if (c + kStageChunks >= kc)
-          next = *reinterpret_cast<volatile const int*>(&s_stream.claim_tag[warp * kStreamSlots + (int)(j % kStreamSlots)]);
-        dot2_stage<FP8>(slot, xs, c, min(kStageChunks, kc - c), acc);
-        stream_release(warp, j);
-        ++j;
-      }
-      epi(g, warp_sum(acc[0]), warp_sum(acc[1]));
-      g = next;
-    }
-    stream_read_end(warp, j);
-    return;
-  }
-#endif
   StageCursor st(groups, kc, warp);
   unsigned j = stream_read_begin(warp);  // (the warp's stages read so far: its next stage's number)
   auto consume_segment = [&](float (&acc)[2]) {

@@ -259,9 +259,7 @@ def test_llama_step_streams_every_weighted_projection(cfg_name):
     """A whole tiny decode step under the host simulation: with the stream on, qkv_rope_append streams its
     weights too (per-head q/k norm and GQA group 3 in tiny_features), and every tensor the step writes is
     bit-identical to the register engine's (one matvec engine, the same per-lane chunk order); so with
-    attention's K/V on the stream too (MEGART_STREAM_KV=1: the ring's position order, at 4 KB and 2 KB stages),
-    and with row pairs claimed by the warps that read faster (MEGART_STREAM_CLAIM=1: each pair's dots are the
-    same whichever warp takes it)."""
+    attention's K/V on the stream too (MEGART_STREAM_KV=1: the ring's position order, at 4 KB and 2 KB stages)."""
     from megart.models import llama
     from megart.models.llama_config import clone_kv
     from test_llama import FEATURES
@@ -270,8 +268,7 @@ def test_llama_step_streams_every_weighted_projection(cfg_name):
     outs = {}
     # (explicit depths: "auto" may decline the stream of a tiny kernel that spills under the register split)
     variants = (("registers", {"MEGART_STREAM_SLOTS": 0}), ("stream", {"MEGART_STREAM_SLOTS": 5}),
-                ("kv", {"MEGART_STREAM_SLOTS": 5, "MEGART_STREAM_KV": 1}),
-                ("claim", {"MEGART_STREAM_SLOTS": 5, "MEGART_STREAM_CLAIM": 1}))
+                ("kv", {"MEGART_STREAM_SLOTS": 5, "MEGART_STREAM_KV": 1}))
     if cfg_name == "tiny":   # (the other stage sizes and ways to free a slot once: CI time)
         variants += (("stream8k", {"MEGART_STREAM_SLOTS": 2, "MEGART_STREAM_STAGE": 256}),
                      ("lane0_free", {"MEGART_STREAM_SLOTS": 5, "MEGART_STREAM_FREE": 0}),

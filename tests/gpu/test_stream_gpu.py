@@ -17,8 +17,7 @@ ENGINES = [{"MEGART_STREAM_SLOTS": "auto"}, {"MEGART_STREAM_SLOTS": "auto", "MEG
            {"MEGART_STREAM_SLOTS": 3, "MEGART_STREAM_PRODUCER_WARPS": 1},
            {"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_FREE": 0},     # lane 0 alone frees its slot
            {"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_INFLIGHT": 1},  # one stage in flight per warp
-           {"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_INFLIGHT": 0},  # the ring alone caps
-           {"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_CLAIM": 1}]     # row pairs claimed by the faster warps
+           {"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_INFLIGHT": 0}]  # the ring alone caps
 
 
 def _dense_chain(defines, n, k, tiles, nw, dev):
