@@ -176,6 +176,7 @@ __device__ __forceinline__ bool spin_on(long long* ctrl, unsigned long long star
 // so its time is what the partition and the bodies cost without the dependency chain. Bit 2 keeps the chain
 // and drops attention's K/V reads instead (tasks/attention_decode.cuh). Bit 3 keeps chain and stream and
 // drops the streamed dots' arithmetic (tasks/dense_engines.cuh): what a consumer faster than HBM would give.
+// Bit 4 drops the warp sums after each row pair of the shared-memory engines (the epilogues' shuffles).
 #ifndef MEGART_DIAG_NO_WAIT
 #define MEGART_DIAG_NO_WAIT 0
 #endif

@@ -161,6 +161,12 @@ __device__ __forceinline__ void walk_segments(const StageCursor& st, int groups,
       const int g = st.s.g;
       float s[2] = {0.f, 0.f};
       consume_segment(s);
+#ifdef __CUDA_ARCH__
+      if constexpr ((MEGART_DIAG_NO_WAIT & 16) != 0) {  // bit 4 (timing only, wrong results): no warp sums
+        epi(g, s[0], s[1]);
+        continue;
+      }
+#endif
       epi(g, warp_sum(s[0]), warp_sum(s[1]));
     }
     return;
