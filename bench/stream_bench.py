@@ -10,9 +10,10 @@ span recorder): per call kind, the wall, busiest-worker body time and the time w
 with --phases the profiled build also stamps the phase marks (MEGART_PHASE_MARKS=1: its walls run a little
 longer) and the body of each call's last-ending instance is split at them (dense types: x staged / dots
 done; attention: K/V attended / partials stored and arrival counted; summed over layers; a variant with
-MEGART_PHASE_MARKS=2 splits it at the first and the last compute warp to finish its dots instead); with --waits it
-splits each streamed call's body by where the compute warps spent it instead (MEGART_STREAM_WAITS=1): before
-their first weight stage (x staging, the input's wait), waiting for stages, reading them (dots), the rest.
+MEGART_PHASE_MARKS=2 splits it at the first and the last compute warp to finish its dots instead); with
+--waits it splits each streamed call's body by where the compute warps spent it instead
+(MEGART_STREAM_WAITS=1): before their first weight stage (x staging, the input's wait), waiting for stages,
+reading them (dots), the rest.
 That per-call table is how the engines are compared: which calls got slower or faster, and whether the
 difference is in the body (bytes arriving) or in the wait (the producer of the input). With --spans DIR the
 profiled build's raw span records are saved there and bench/spans_report.py's tables printed (per worker, one
@@ -125,7 +126,8 @@ def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Pat
     rec["x_floor"] = rec["megart_us"] / rec["floor_us"]
     del m
     if profile:
-        marks = {"MEGART_PHASE_MARKS": defines.get("MEGART_PHASE_MARKS", 1)} if phases else {"MEGART_STREAM_WAITS": 1} if waits else {}
+        marks = ({"MEGART_PHASE_MARKS": defines.get("MEGART_PHASE_MARKS", 1)} if phases
+                 else {"MEGART_STREAM_WAITS": 1} if waits else {})
         rec["calls"], rec["profiled_step_wall_us"], rec["stream_waits"] = profile_calls(
             cfg, W, prefix, nw, {**defines, **marks}, spans=spans, model_kw=model_kw)
     torch.cuda.empty_cache()

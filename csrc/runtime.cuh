@@ -36,8 +36,7 @@ constexpr bool kStreamWaits = false;
 // MEGART_PHASE_MARKS=2 (a diagnostic) stamps the warps' spread instead: mark 1 is reached by every compute
 // warp (a dense body's dots and epilogues done), and the record keeps the first warp's time as mark 0 and the
 // last one's as mark 1 (lane 0 of each warp, the warp's index in the time's low 4 bits; mark-0 calls are
-// ignored). An instance whose body never reaches
-// mark 1 records both at its begin (csrc/worker_loop.cuh).
+// ignored). An instance whose body never reaches mark 1 records both at its begin (csrc/worker_loop.cuh).
 #if defined(MEGART_PROFILE) && defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS == 2
 constexpr bool kWarpSpreadMarks = true;
 static_assert(MEGART_THREADS <= 512, "MEGART_PHASE_MARKS=2 keeps a warp index in 4 bits");
