@@ -56,7 +56,7 @@ def test_footprint_and_where_a_reason_falls(tmp_path):
     assert sass_stalls.windows(instrs, "long_sb") == [(0x0, 38, 55)]
     assert sass_stalls.windows(instrs, "wait") == [(0x0, 7, 55)]
     assert sass_stalls.windows(instrs, "selected") == [(0x0, 10, 55), (0x8000, 3, 3)]
-    assert sass_stalls.windows(instrs, "no_instructions") == []
+    assert sass_stalls.windows(instrs, "no_inst") == []  # (a reason with no samples)
 
 
 def test_cli_tables_and_bad_input(tmp_path, capsys):
