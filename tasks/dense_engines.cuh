@@ -262,133 +262,6 @@ __device__ __forceinline__ void dot2_stage(const uint4* slot, const uint4* xs, i
     dot2_stage_chunks<FP8, true>(slot, xs, c, n, acc);
 }
 
-// ---- tensor-core dots of a bf16 stage (MEGART_DOT_MMA=1) -----------------------------------------
-// One mma.m16n8k16 (bf16 in, fp32 accumulate) does the FFMA form's 16 products per lane in one instruction.
-// A stage (2 rows x kStageChunks chunks) splits into 8 segments of kStageChunks / 8 chunks; tile row m
-// of A is (row m / 8, segment m % 8) and B's column n is x over segment n, so C[m][m % 8] (and C[m + 8][m])
-// is the stage's dot of row a (b) over segment m: the diagonal holds the dots, the rest is discarded. Which
-// k of a segment sits at which tile k only has to agree between a lane's A and B fragments (a lane holds A
-// row l / 4 and B column l / 4), so lane (s = l / 4, q = l % 4) feeds its own kStageUnroll whole chunks of
-// segment s, two mma per chunk, in a rotated order that keeps each quarter-warp's 16-byte loads on distinct
-// banks. Lane 4s + s/2 holds segment s's dots (C elements s % 2 and 2 + s % 2); warp_sum adds the eight.
-#ifndef MEGART_DOT_MMA
-#define MEGART_DOT_MMA 0
-#endif
-// The stage chunk lane `lane` reads j-th (j < kStageUnroll).
-__host__ __device__ constexpr int mma_chunk(int lane, int j) {
-  return (lane >> 2) * (kStageChunks / 8) + (lane & 3) * kStageUnroll +
-         ((j + (((lane & 7) * kStageUnroll) >> 3)) & (kStageUnroll - 1));
-}
-// Each quarter-warp's loads of one j fall on 8 distinct 16-byte bank groups (chunk % 8).
-__host__ __device__ constexpr bool mma_chunks_conflict_free() {
-  for (int j = 0; j < kStageUnroll; ++j)
-    for (int p = 0; p < 32; p += 8)
-      for (int a = p; a < p + 8; ++a)
-        for (int b = a + 1; b < p + 8; ++b)
-          if (mma_chunk(a, j) % 8 == mma_chunk(b, j) % 8) return false;
-  return true;
-}
-static_assert(mma_chunks_conflict_free(), "mma_chunk: a quarter-warp's stage loads share a bank");
-
-// A row pair's running sums in one lane: kMmaTiles accumulator tiles (4 floats each), the stage's mma
-// dealt round-robin over them so that fewer of them wait on one another (MEGART_DOT_MMA=1: 2, =2: up to 8).
-constexpr int kMmaTiles = MEGART_DOT_MMA >= 2 ? (2 * kStageUnroll < 8 ? 2 * kStageUnroll : 8) : 2;
-struct MmaAcc {
-  float c[4 * kMmaTiles];
-};
-#ifdef __CUDA_ARCH__
-__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
-                                         unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-#endif
-
-template <bool kPartial>
-__device__ __forceinline__ void dot2_stage_mma(const uint4* slot, const uint4* xs, int c, int n, MmaAcc& acc) {
-  const int lane = threadIdx.x & 31;
-#ifdef __CUDA_ARCH__
-  if constexpr ((MEGART_DIAG_NO_WAIT & 8) != 0) {  // bit 3 (timing only, wrong results): one read, no dots
-    acc.c[0] += __uint_as_float(slot[lane].x & 0x007fffffu);
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < kStageUnroll; ++j) {
-    const int i = mma_chunk(lane, j);
-    const bool live = !kPartial || i < n;
-    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-    const uint4 wa = live ? slot[i] : z, wb = live ? slot[kStageChunks + i] : z;
-    const uint4 x = xs[c + (live ? i : 0)];
-    mma_bf16(acc.c + 4 * ((2 * j) % kMmaTiles), wa.x, wb.x, wa.y, wb.y, x.x, x.y);
-    mma_bf16(acc.c + 4 * ((2 * j + 1) % kMmaTiles), wa.z, wb.z, wa.w, wb.w, x.z, x.w);
-  }
-#else
-  // Host simulation: the lane that keeps segment s's dots adds, per mma, the 16 products of its
-  // segment's four lanes (in double, rounded once into the fp32 accumulator); the other lanes' tiles
-  // are never read.
-  const int s = lane >> 2;
-  if ((lane & 3) != (s >> 1)) return;
-  for (int j = 0; j < kStageUnroll; ++j)
-    for (int h = 0; h < 2; ++h) {
-      double sum[2] = {0.0, 0.0};
-      for (int q = 0; q < 4; ++q) {
-        const int i = mma_chunk(4 * s + q, j);
-        if (kPartial && i >= n) continue;
-        const unsigned* wa = reinterpret_cast<const unsigned*>(slot + i);
-        const unsigned* wb = reinterpret_cast<const unsigned*>(slot + kStageChunks + i);
-        const unsigned* x = reinterpret_cast<const unsigned*>(xs + c + i);
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          sum[0] += (double)bf_lo(wa[e]) * bf_lo(x[e]) + (double)bf_hi(wa[e]) * bf_hi(x[e]);
-          sum[1] += (double)bf_lo(wb[e]) * bf_lo(x[e]) + (double)bf_hi(wb[e]) * bf_hi(x[e]);
-        }
-      }
-      float* t = acc.c + 4 * ((2 * j + h) % kMmaTiles) + (s & 1);
-      t[0] = (float)(t[0] + sum[0]);
-      t[2] = (float)(t[2] + sum[1]);
-    }
-#endif
-}
-// acc[r] += this lane's share of row r's dots (nonzero on the lane that keeps a segment).
-__device__ __forceinline__ void mma_finish(const MmaAcc& m, float (&acc)[2]) {
-  const int lane = threadIdx.x & 31, s = lane >> 2;
-  if ((lane & 3) != (s >> 1)) return;
-  const int e = s & 1;
-  float a = 0.f, b = 0.f;
-#pragma unroll
-  for (int t = 0; t < kMmaTiles; ++t) {
-    a += e ? m.c[4 * t + 1] : m.c[4 * t];
-    b += e ? m.c[4 * t + 3] : m.c[4 * t + 2];
-  }
-  acc[0] += a;
-  acc[1] += b;
-}
-
-// A segment's stages summed into acc (the FFMA form, or the tensor-core form for bf16 with MEGART_DOT_MMA).
-template <bool FP8>
-struct SegmentDots {
-  static constexpr bool kMma = MEGART_DOT_MMA != 0 && !FP8;
-  MmaAcc m;
-  __device__ __forceinline__ SegmentDots() {
-    if constexpr (kMma)
-      for (int e = 0; e < 4 * kMmaTiles; ++e) m.c[e] = 0.f;
-  }
-  __device__ __forceinline__ void stage(const uint4* slot, const uint4* xs, int c, int n, float (&acc)[2]) {
-    if constexpr (kMma) {
-      if (n == kStageChunks)
-        dot2_stage_mma<false>(slot, xs, c, n, m);
-      else
-        dot2_stage_mma<true>(slot, xs, c, n, m);
-    } else {
-      dot2_stage<FP8>(slot, xs, c, n, acc);
-    }
-  }
-  __device__ __forceinline__ void finish(float (&acc)[2]) {
-    if constexpr (kMma) mma_finish(m, acc);
-  }
-};
-
 // matvec (below) with the weights coming through the ring the prewait started (same work split, same
 // sums). `st` walks the stages being consumed; `ahead` runs kRingSlots stages in front: when stage j
 // has been read out of slot j % kRingSlots, lane 0 refills that slot with stage j + kRingSlots.
@@ -401,11 +274,10 @@ __device__ __forceinline__ void matvec_ring(int groups, int kc, const uint4* xs,
   int j = 0;
   auto consume_segment = [&](float (&acc)[2]) {
     const int k = st.k;
-    SegmentDots<FP8> dots;
     while (st.live && st.k == k) {
       const int slot = j % kRingSlots;
       mbar_wait(ring_bar(smem, warp, slot), (unsigned)((j / kRingSlots) & 1));
-      dots.stage(ring_slot(smem, warp, slot), xs, st.c, min(kStageChunks, st.s.c1 - st.c), acc);
+      dot2_stage<FP8>(ring_slot(smem, warp, slot), xs, st.c, min(kStageChunks, st.s.c1 - st.c), acc);
       __syncwarp();
       if (ahead.live) {
         if (lane == 0) {
@@ -417,7 +289,6 @@ __device__ __forceinline__ void matvec_ring(int groups, int kc, const uint4* xs,
       ++j;
       st.next();
     }
-    dots.finish(acc);
   };
   walk_segments(st, groups, red, epi, consume_segment);
 }
@@ -519,15 +390,13 @@ __device__ __forceinline__ void matvec_stream(int groups, int kc, const uint4* x
   unsigned j = stream_read_begin(warp);  // (the warp's stages read so far: its next stage's number)
   auto consume_segment = [&](float (&acc)[2]) {
     const int k = st.k;
-    SegmentDots<FP8> dots;
     while (st.live && st.k == k) {
       const uint4* slot = reinterpret_cast<const uint4*>(stream_acquire(warp, j));
-      dots.stage(slot, xs, st.c, min(kStageChunks, st.s.c1 - st.c), acc);
+      dot2_stage<FP8>(slot, xs, st.c, min(kStageChunks, st.s.c1 - st.c), acc);
       stream_release(warp, j);
       ++j;
       st.next();
     }
-    dots.finish(acc);
   };
   walk_segments(st, groups, red, epi, consume_segment);
   stream_read_end(warp, j);
