@@ -39,8 +39,7 @@ OWNED_MACROS = {
 # Macros that must be non-negative integers: Python also reads them (to size shared memory), or the device
 # code tests them as numbers (MEGART_LEAN_SYNC: one release fence per instance's signals, csrc/runtime.cuh).
 INT_MACROS = ("MEGART_DENSE_RING_SLOTS", "MEGART_ATTN_RING_BYTES", "MEGART_PREFETCH_KB", "MEGART_LEAN_SYNC",
-              "MEGART_PHASE_MARKS", "MEGART_DIAG_NO_WAIT", "MEGART_STREAM_WAITS", "MEGART_STREAM_KV",
-              "MEGART_XREG")
+              "MEGART_PHASE_MARKS", "MEGART_DIAG_NO_WAIT", "MEGART_STREAM_WAITS", "MEGART_STREAM_KV")
 
 
 def check_defines(defines, origin: str = "defines") -> dict:

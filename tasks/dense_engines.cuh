@@ -382,96 +382,12 @@ __device__ __forceinline__ bool dense_stage_next(WarpStream& ws, int warp, int s
 }
 namespace dense {
 
-// x through registers (MEGART_XREG=1, experiment): a warp that owns whole row pairs of a short row (K <= 2048)
-// loads its lanes' x chunks once per instance instead of once per pair and stage. The same x chunks meet the
-// same weight chunks in the same order, so the sums are dot2_stage's bit for bit.
-#ifndef MEGART_XREG
-#define MEGART_XREG 0
-#endif
-template <bool FP8>
-struct XRegs {
-  static constexpr int kStages = FP8 ? 1 : 2;                // a row's stages held (K <= 2048 at 128-chunk stages)
-  static constexpr int kPer = kStageUnroll * (FP8 ? 2 : 1);  // x chunks per lane per stage
-  uint4 v[kStages][kPer];
-  __device__ __forceinline__ void load(const uint4* xs, int kc) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int t = 0; t < kStages; ++t)
-#pragma unroll
-      for (int u = 0; u < kStageUnroll; ++u) {
-        const int c = min(t * kStageChunks + lane + 32 * u, kc - 1);
-        if constexpr (FP8) {
-          v[t][2 * u] = xs[2 * c];
-          v[t][2 * u + 1] = xs[2 * c + 1];
-        } else {
-          v[t][u] = xs[c];
-        }
-      }
-  }
-};
-template <bool FP8, bool kPartial, int N>
-__device__ __forceinline__ void dot2_stage_xr(const uint4* slot, const uint4 (&xr)[N], int n, float (&acc)[2]) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int u = 0; u < kStageUnroll; ++u) {
-    const int i = lane + 32 * u;
-    if (!kPartial || i < n) {
-      const uint4 wa = slot[i], wb = slot[kStageChunks + i];
-      if constexpr (FP8) {
-        acc[0] = dot16_fp8(wa, xr[2 * u], xr[2 * u + 1], acc[0]);
-        acc[1] = dot16_fp8(wb, xr[2 * u], xr[2 * u + 1], acc[1]);
-      } else {
-        float xf[8];
-        unpack8(xr[u], xf);
-        acc[0] = dot8(wa, xf, acc[0]);
-        acc[1] = dot8(wb, xf, acc[1]);
-      }
-    }
-  }
-}
-template <bool FP8, int N>
-__device__ __forceinline__ void dot2_stage_x(const uint4* slot, const uint4 (&xr)[N], int n, float (&acc)[2]) {
-#ifdef __CUDA_ARCH__
-  if constexpr ((MEGART_DIAG_NO_WAIT & 8) != 0) {  // bit 3 (timing only, wrong results): one read, no dots
-    acc[0] += __uint_as_float(slot[threadIdx.x & 31].x & 0x007fffffu);
-    return;
-  }
-#endif
-  if (FP8 && n == kStageChunks)
-    dot2_stage_xr<FP8, false>(slot, xr, n, acc);
-  else
-    dot2_stage_xr<FP8, true>(slot, xr, n, acc);
-}
-
 // matvec (below) with the weights coming from the stream: same work split, same sums.
 template <bool FP8, class Epi>
 __device__ __forceinline__ void matvec_stream(int groups, int kc, const uint4* xs, float* red, Epi epi) {
   const int warp = threadIdx.x >> 5;
   StageCursor st(groups, kc, warp);
   unsigned j = stream_read_begin(warp);  // (the warp's stages read so far: its next stage's number)
-  if constexpr (MEGART_XREG != 0 && !FP8) {  // (fp8: the 12-warp all-e4m3 build spills with 32 more registers)
-    if (groups >= kWarps && kc <= XRegs<FP8>::kStages * kStageChunks) {
-      XRegs<FP8> xr;
-      xr.load(xs, kc);
-      auto consume_pair = [&](float (&acc)[2]) {
-        const int k = st.k;
-        while (st.live && st.k == k) {
-          const uint4* slot = reinterpret_cast<const uint4*>(stream_acquire(warp, j));
-          const int n = min(kStageChunks, st.s.c1 - st.c);
-          if (XRegs<FP8>::kStages == 1 || st.c == st.s.c0)
-            dot2_stage_x<FP8>(slot, xr.v[0], n, acc);
-          else
-            dot2_stage_x<FP8>(slot, xr.v[XRegs<FP8>::kStages - 1], n, acc);
-          stream_release(warp, j);
-          ++j;
-          st.next();
-        }
-      };
-      walk_segments(st, groups, red, epi, consume_pair);
-      stream_read_end(warp, j);
-      return;
-    }
-  }
   auto consume_segment = [&](float (&acc)[2]) {
     const int k = st.k;
     while (st.live && st.k == k) {
