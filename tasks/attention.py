@@ -477,8 +477,9 @@ def body_defines(hd: int, group: int) -> dict:
 def attn_ring_bytes(cfg) -> int:
     """attention_decode's K/V ring in a kernel built with `cfg` (codegen.KernelConfig): MEGART_ATTN_RING_BYTES
     when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under LOW_REG_THREADS threads (the body's
-    !kLowRegs case), 0 otherwise (the register path, as before the ring). Beside the weight stream too: a
-    32 KB ring (6 weight slots instead of 5) measured the same at 2k context and 4% slower at 32k. Where K/V
+    !kLowRegs case), 0 otherwise (the register path, as before the ring). The Llama model asks for 32 KB
+    where its chunks are short, for a sixth weight slot per warp (megart/models/llama.py
+    attention_ring_default). Where K/V
     come through the weight stream (config.kv_streamed) the ring is off: an instance the stream does not
     carry (no pos_stamp) reads its rows through registers."""
     from ..config import caller_macros, kv_streamed
@@ -498,8 +499,16 @@ def ring_geometry(ring_bytes: int, threads: int) -> tuple[int, int]:
     """attention_decode's K/V ring of `ring_bytes` per CTA at `threads` threads: (positions per thread in one
     stage, which is one batch of the online softmax; stages). A position takes 32 bytes per thread (its K and
     V vectors); at most 4 stages. No room for two stages (the ring off included) means the register path."""
+    def largest(positions):  # the most positions per stage that still leaves 4 stages (1 below 8)
+        return 4 if positions >= 16 else 2 if positions >= 8 else 1
+
     positions = ring_bytes // (threads * 32)
-    per_stage = 4 if positions >= 16 else 2 if positions >= 8 else 1
+    # A smaller ring keeps the default ring's batch where two stages of it fit: the body then needs no other
+    # position order (at 32 KB and 256 threads, one position per stage spilled registers).
+    default_u = largest(ATTN_RING // (threads * 32))
+    per_stage = largest(positions)
+    if per_stage < default_u and positions >= 2 * default_u:
+        per_stage = default_u
     return per_stage, min(4, positions // per_stage)
 
 

@@ -10,7 +10,7 @@ error (a wrong buffer, norm gain, layer order, residual) cannot hide in it."""
 import pytest
 import torch
 
-from megart.models import llama
+from megart.models import llama, llama_tp
 from megart.schedule import build
 from megart.models.llama_config import clone_kv
 from megart.models.reference import Reference
@@ -154,8 +154,8 @@ def test_timing_diagnostics_build_like_the_default():
     weight stream, so their time compares with the default's."""
     m = llama.LlamaModel(llama.config("1b"), device="cpu", init="empty", nw=132, sm_count=132,
                          defines={"MEGART_DIAG_NO_WAIT": 15})
-    assert m.pk.report.spill_bytes == 0 and m.pk.stream_layout().slots == 5 and m.pk.stream_declined is None
-    assert "#define MEGART_DIAG_NO_WAIT 15\n" in m.pk.source.text
+    assert m.pk.report.spill_bytes == 0 and m.pk.stream_layout().slots == 6 and m.pk.stream_declined is None
+    assert m.attn_ring_short and "#define MEGART_DIAG_NO_WAIT 15\n" in m.pk.source.text
 
 
 @pytest.mark.parametrize("name", ["1b", "1b_32k", "1b_fp8", "1b_fp8_split", "1b_fp8_all", "block8b", "3b",
@@ -171,10 +171,16 @@ def test_full_size_graph_compiles_without_spills(name):
     # the weight stream (the models' default, "auto") where it compiles without spills, else registers
     lay = m.pk.stream_layout()
     assert (lay.slots == 0) == (m.pk.stream_declined is not None), (lay, m.pk.stream_declined)
+    # attention's K/V ring: 32 KB where its chunks are short (llama.attention_ring_default), else 64 KB
+    short = name in ("1b", "1b_fp8", "1b_fp8_split")
+    assert m.attn_ring_short == short
+    if lay.slots:
+        assert f"#define MEGART_ATTN_RING_BYTES {32 << 10 if short else 64 << 10}\n" in m.pk.source.text
     if name in ("1b", "1b_fp8", "1b_fp8_split", "1b_fp8_all", "block8b"):
-        # 8 compute warps x 5 slots, or 12 x 3 where every streamed matrix is e4m3 (llama.default_threads)
+        # 8 compute warps x 5 slots (6 beside the short attention ring), or 12 x 3 where every streamed matrix is
+        # e4m3 (llama.default_threads)
         assert m.pk.threads == llama.default_threads(cfg) == (384 if name == "1b_fp8_all" else 256)
-        assert lay.slots == (3 if name == "1b_fp8_all" else 5)
+        assert lay.slots == (3 if name == "1b_fp8_all" else 6 if short else 5)
         assert ("qkv_rope_append_fp8" if cfg.fp8_qkv else "qkv_rope_append") in lay.types
     # the dynamic window (the rings) starts on a 128-byte boundary: ptxas counts the padding as static, and the
     # ring was sized against no less static memory than the kernel has (a misaligned window cost 9-29%)
@@ -204,6 +210,51 @@ def test_full_size_graph_compiles_without_spills(name):
     per_layer = len(m.groups["L0.qkv"].uids) + len(m.groups["L0.down"].uids)
     assert per_layer >= 2 * 128                     # weight-streaming calls spread over the grid
     assert "barrier" not in {i.type.name for i in s.instances}
+
+
+def test_short_attention_ring_where_chunks_fit():
+    """attention_ring_default: a 32 KB K/V ring (one more 4 KB weight slot per compute warp) only where the
+    kernel streams its weights at <= 8 compute warps in 4 KB stages, attention keeps its own ring, the GQA group
+    is >= 4, and a chunk's K/V rows at the cache's full length fit the default 64 KB ring; never over the
+    caller's MEGART_ATTN_RING_BYTES."""
+    from megart import codegen
+
+    def kc(threads=256, **macros):
+        return codegen.KernelConfig(threads=threads, defines={"MEGART_STREAM_SLOTS": "auto", **macros})
+    short = {"MEGART_ATTN_RING_BYTES": 32 << 10}
+    c = llama.config("1b")                        # 3,072 rows / 16 chunks x 64 x 4 B = 48 KB per chunk
+    assert llama.attention_ring_default(c, 16, kc()) == short
+    assert llama.attention_ring_default(llama.config("1b_128"), 16, kc()) == short
+    assert llama.attention_ring_default(c, 4, kc()) == {}                        # 192 KB chunks
+    assert llama.attention_ring_default(llama.config("1b_32k"), 16, kc()) == {}
+    assert llama.attention_ring_default(llama.config("block8b"), 16, kc()) == {}  # hd 128: 132 KB chunks
+    assert llama.attention_ring_default(llama.config("qwen3_0.6b"), 16, kc()) == {}   # GQA group 2
+    assert llama.attention_ring_default(c, 16, kc(threads=384)) == {}             # 48 KB per slot level
+    assert llama.attention_ring_default(c, 16, kc(MEGART_STREAM_STAGE=256)) == {}  # 8 KB slots
+    assert llama.attention_ring_default(c, 16, kc(MEGART_STREAM_KV=1)) == {}      # attention's ring is off
+    assert llama.attention_ring_default(c, 16, kc(MEGART_ATTN_RING_BYTES=65536)) == {}
+    assert llama.attention_ring_default(c, 16, codegen.KernelConfig(threads=256)) == {}   # registers
+    # the caller's macro wins in the model too, and the tensor-parallel ranks keep the default ring
+    m = llama.LlamaModel(c, device="cpu", init="empty", nw=132, compile=False, defines={"MEGART_ATTN_RING_BYTES": 0})
+    assert not m.attn_ring_short and m.pk.defines["MEGART_ATTN_RING_BYTES"] == "0"
+    assert llama.LlamaModel.short_attn_ring_default and not llama_tp.LlamaTPRank.short_attn_ring_default
+
+
+def test_short_attention_ring_falls_back_when_its_build_is_not_clean(monkeypatch):
+    """Where the build beside the 32 KB ring spills (the stream declined) or does not fit (one slot shallower),
+    compile() drops the short ring and builds the default one."""
+    m = llama.LlamaModel(llama.config("1b"), device="cpu", init="empty", nw=132, compile=False)
+    assert m.attn_ring_short and m.pk.defines["MEGART_ATTN_RING_BYTES"] == str(32 << 10)
+    seen = []
+
+    def fake_compile(verify=True):
+        seen.append(dict(m.pk.defines))
+        m.pk.stream_shallower = 5 if len(seen) == 1 else None
+        return m.pk
+    monkeypatch.setattr(m.pk, "compile", fake_compile)
+    m.compile()
+    assert len(seen) == 2 and "MEGART_ATTN_RING_BYTES" in seen[0] and "MEGART_ATTN_RING_BYTES" not in seen[1]
+    assert not m.attn_ring_short
 
 
 def test_call_index_and_breakdown_cover_every_instance():

@@ -319,13 +319,17 @@ def test_attention_ring_config(nw, threads, defines, ring):
 
 
 @pytest.mark.parametrize("ring,threads,geometry", [(64 << 10, 256, (2, 4)), (64 << 10, 128, (4, 4)),
-                                                   (32 << 10, 256, (1, 4)), (64 << 10, 384, (1, 4)),
+                                                   (32 << 10, 256, (2, 2)), (32 << 10, 128, (4, 2)),
+                                                   (32 << 10, 384, (1, 2)), (64 << 10, 384, (1, 4)),
                                                    (64 << 10, 512, (1, 4)), (16 << 10, 256, (1, 2)),
+                                                   (128 << 10, 256, (4, 4)),
                                                    (8 << 10, 256, (1, 1)), (0, 256, (1, 0))])
 def test_attention_ring_geometry(ring, threads, geometry):
     """Positions per stage (a softmax batch) and stages of the K/V ring: 32 bytes per thread and position,
-    batches of 4 / 2 / 1 from 16 / 8 / fewer positions per thread, at most 4 stages; under 2 stages the body
-    takes the register path (tasks/attention_decode.cuh uses these as given)."""
+    batches of 4 / 2 / 1 from 16 / 8 / fewer positions per thread, at most 4 stages; a ring smaller than the
+    default keeps the default ring's batch where two stages of it fit (32 KB at 256 threads: 2 x 2, not 1 x 4,
+    which spilled the 1B kernel); under 2 stages the body takes the register path (tasks/attention_decode.cuh
+    uses these as given)."""
     from megart.tasks.attention import ring_geometry
     assert ring_geometry(ring, threads) == geometry
 
@@ -380,8 +384,9 @@ def _chain_on_the_host(hd, pos, overrides=None, merge="call", defines=None, **pk
     return pk, emu, q_ref, ref_attention_decode(q_ref, kc, vc, pos + 1)
 
 
-@pytest.mark.parametrize("hd,pos,defines", [(64, 2046, {}), (128, 1234, {"MEGART_ATTN_RING_BYTES": 0})],
-                         ids=["hd64-ring", "hd128-registers"])
+@pytest.mark.parametrize("hd,pos,defines", [(64, 2046, {}), (64, 2046, {"MEGART_ATTN_RING_BYTES": 32 << 10}),
+                                             (128, 1234, {"MEGART_ATTN_RING_BYTES": 0})],
+                         ids=["hd64-ring", "hd64-32KB-ring", "hd128-registers"])
 def test_attention_bodies_run_on_the_host(hd, pos, defines):
     """qkv_rope_append, attention_decode (the cp.async ring and the register path) and attention_merge run as
     CUDA compiled by g++ (one CTA as fibers, random order): against the fp32 chain and the emulator."""

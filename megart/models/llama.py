@@ -49,6 +49,7 @@ import torch
 
 from .. import PersistentKernel
 from ..config import kv_streamed
+from ..options import check_defines
 from .. import tagged as tagged_words
 from ..geometry.attention import attention_chunks
 from .llama_config import (CONFIGS, LlamaConfig, LlamaWeights, block_8b, clone_kv, config, llama_1b,  # noqa: F401
@@ -121,6 +122,34 @@ def stream_default(defines: dict | None, default=STREAM_DEFAULT) -> dict:
     return {} if chosen else {"MEGART_STREAM_SLOTS": default}
 
 
+SHORT_ATTN_RING = 32 * 1024   # attention's K/V ring where its chunks are short (attention_ring_default)
+
+
+def attention_ring_default(cfg: LlamaConfig, chunks: int, kcfg) -> dict:
+    """attention_decode's K/V ring when the caller leaves MEGART_ATTN_RING_BYTES unset: 32 KB instead of the
+    default 64 KB where a chunk's K/V rows, at the cache's full length, fit the default ring anyway and the
+    kernel streams its weights in 4 KB stages at 8 compute warps or fewer, so that the 32 KB given back is
+    one more weight slot per warp (6 instead of 5 at 8 warps). On the H200 (bench/RESULTS.md, nineteenth
+    session) 1b 864.5 -> 852.8 us, 1b_128 823.2 -> 812.9, 1b_fp8 level; where chunks are long it loses
+    (1b_32k +17 us), and block8b (chunks of 135 KB) is level. `{}` means: leave the ring to
+    tasks/attention.py."""
+    from ..config import caller_macros, stream_requested
+    from ..stream import DEFAULT_STAGE_CHUNKS, slot_bytes
+    from ..tasks.attention import ATTN_RING
+    macros = caller_macros(kcfg)
+    if "MEGART_ATTN_RING_BYTES" in macros or not stream_requested(kcfg) or kv_streamed(kcfg):
+        return {}
+    if cfg.group < 4:   # (smaller GQA groups: their attention body spills the stream build, which "auto" declines)
+        return {}
+    stage = int(macros.get("MEGART_STREAM_STAGE", DEFAULT_STAGE_CHUNKS))
+    if (kcfg.threads // 32) * slot_bytes(stage) > ATTN_RING - SHORT_ATTN_RING:
+        return {}
+    chunk_rows = -(-cfg.max_seq // max(1, chunks))
+    if chunk_rows * cfg.hd * 2 * 2 > ATTN_RING:   # (a kv head's K and V rows, bf16)
+        return {}
+    return {"MEGART_ATTN_RING_BYTES": SHORT_ATTN_RING}
+
+
 ATTN_MERGE = ("auto", "fused", "call")
 
 
@@ -151,6 +180,7 @@ class LlamaModel:
     """
 
     stream_slots_default = STREAM_DEFAULT   # MEGART_STREAM_SLOTS when the caller leaves it unset
+    short_attn_ring_default = True          # attention_ring_default applies (the tensor-parallel ranks: not measured)
     # the vectors between the weight-bound calls are tagged words, polled by their readers: on the H200 the
     # 1B step measured 922.5 / 923.2 us against 944.4 / 940.4 with event waits (bench/RESULTS.md)
     tagged_default = True
@@ -192,6 +222,11 @@ class LlamaModel:
                                             **(defines or {})}, peers=peers)
         self.nw = self.pk.nw
         self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
+        ring = attention_ring_default(cfg, attention_chunks(cfg.n_kv, cfg.max_seq, self.nw,
+                                                            chunks=self.tiles["attn_chunks"]),
+                                      self.pk.kernel_config()) if self.short_attn_ring_default else {}
+        self.pk.defines = {**self.pk.defines, **check_defines(ring)}
+        self.attn_ring_short = bool(ring)   # (compile() drops it where it would not build clean)
         self.deps = deps
         self.kv_refs = kv_refs
         self.attn_merge = attn_merge
@@ -394,6 +429,12 @@ class LlamaModel:
     # --- compile / run ------------------------------------------------------------------------------
     def compile(self) -> "LlamaModel":
         self.pk.compile()
+        if self.attn_ring_short and (self.pk.stream_declined or self.pk.stream_shallower is not None):
+            # the 32 KB attention ring is there to buy a deeper weight ring; where that build spilled or did
+            # not fit, the default ring (and the stream "auto" sizes beside it) is the better kernel
+            self.pk.defines = {k: v for k, v in self.pk.defines.items() if k != "MEGART_ATTN_RING_BYTES"}
+            self.attn_ring_short = False
+            self.pk.compile()
         if self.device.type == "cpu":
             self._host = {name: t.data for name, t in self.pk.graph.tensors.items()}
         return self

@@ -118,6 +118,7 @@ class LlamaTPRank(LlamaModel):
     # the weight stream, as for the single-GPU model ("auto"): on 2 H200s (8B shape, "match" chunks) a TP=2
     # step measured 2,960.0 us with it against 3,118.5 with registers (bench/RESULTS.md)
     stream_slots_default = LlamaModel.stream_slots_default
+    short_attn_ring_default = False   # (attention's 32 KB ring for short chunks was measured on one GPU only)
     # (a rank's graph adds its vectors as plain bf16 tensors and sums partials into them: not tagged yet)
     tagged_default = False
 
