@@ -31,10 +31,10 @@ OWNED_MACROS = {
     "MEGART_STREAM_INFLIGHT_STAGES": "the weight stream's in-flight cap, from MEGART_STREAM_INFLIGHT",
     "MEGART_ATTN_TAGGED": "attention_decode's tagged form, compiled in when the graph uses it (k_new given)",
     "MEGART_ATTN_UNSTAMPED": "attention_decode's own K/V reads beside the stream's, compiled in when an instance has no pos_stamp",
-    "MEGART_ATTN_RING_U": "the attention ring's positions per stage, from MEGART_ATTN_RING_BYTES (tasks/attention.py)",
-    "MEGART_ATTN_RING_STAGES": "the attention ring's stages, from MEGART_ATTN_RING_BYTES (tasks/attention.py)",
+    "MEGART_ATTN_RING_U": "the attention ring's positions per stage, from MEGART_ATTN_RING_BYTES (tasks/attention_ring.py)",
+    "MEGART_ATTN_RING_STAGES": "the attention ring's stages, from MEGART_ATTN_RING_BYTES (tasks/attention_ring.py)",
     "MEGART_ATTN_ORDER_U": "the attention ring's positions per stage at its default size, whose order the streamed "
-                           "K/V keep (tasks/attention.py)",
+                           "K/V keep (tasks/attention_ring.py)",
 }
 # Macros that must be non-negative integers: Python also reads them (to size shared memory), or the device
 # code tests them as numbers (MEGART_LEAN_SYNC: one release fence per instance's signals, csrc/runtime.cuh).

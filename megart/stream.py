@@ -192,7 +192,7 @@ def _check_kv_stage(types, names, cfg: KernelConfig, chunks: int) -> None:
     the thread count); the stage must hold whole batches (tasks/attention_decode.cuh static_asserts it)."""
     if not any(t.name in names and t.stream_format == "kv" for t in types):
         return
-    from .tasks.attention import ATTN_RING, ring_geometry
+    from .tasks.attention_ring import ATTN_RING, ring_geometry
     ru = ring_geometry(ATTN_RING, cfg.threads)[0]
     ub = slot_bytes(chunks) // 1024
     if ub < ru or ub % ru:

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 from ..geometry.attention import attention_chunks, auto_tiles, chunk_range
 from ..registry import Cost, TaskType, header_constants, ptr, register, scalar
 from ..tensors import as_ref
+from .attention_ring import ATTN_RING, LOW_REG_THREADS, attn_ring_bytes, ring_defines
 from .dense_common import (HEADERS as DENSE_HEADERS, SCRATCH_BYTES as DENSE_SCRATCH, FOLD_PARAMS, fold_pieces,
                            fold_ref, nbytes, opt_ref)
 from .shapes import check_shape
@@ -37,7 +38,6 @@ ATTN_SUBGROUP = 8         # q heads one attention_decode instance holds in regis
 QKV_MAX_D = 8192
 QKV_MAX_ROWS = max(ATTN_HD)  # rows of one qkv_rope_append instance (2 * half; hd <= 128)
 ATTN_STAGE_WARPS = 8      # warps attention_decode merges per shared-memory round
-LOW_REG_THREADS = 512     # threads x CTAs per SM from which the bodies budget <= 128 registers (kLowRegs)
 MODE_ROPE, MODE_NORM, MODE_CACHE, MODE_HEAD_NORM = 1, 2, 4, 8
 MODE_TAGGED_X = 16    # qkv_rope_append's x is a tagged tensor (megart/tagged.py): polled as it is staged
 MODE_TAGGED_OUT = 32  # its outputs are tagged words: q, and the new k/v rows in [n_kv, hd] buffers (not the cache)
@@ -55,7 +55,6 @@ header_constants(ATTENTION_HEADERS[0], "megart_attn", {
     "kModeTaggedX": MODE_TAGGED_X, "kModeTaggedOut": MODE_TAGGED_OUT, "kModeParts": MODE_PARTS,
     "kQkvMaxD": QKV_MAX_D, "kQkvMaxRows": QKV_MAX_ROWS, "kAttnStageWarps": ATTN_STAGE_WARPS,
     "kLowRegThreads": LOW_REG_THREADS})
-ATTN_RING = 64 * 1024                       # attention_decode's K/V ring (MEGART_ATTN_RING_BYTES), any thread count
 SMEM_ATTN = max(SMEM_ATTN_MERGE, ATTN_RING)  # the merge reuses the ring's bytes once it is drained
 
 
@@ -474,50 +473,8 @@ def body_defines(hd: int, group: int) -> dict:
     return {"MEGART_ATTN_HD_ONLY": hd, "MEGART_ATTN_GROUP_MASK": hex(mask)}
 
 
-def attn_ring_bytes(cfg) -> int:
-    """attention_decode's K/V ring in a kernel built with `cfg` (codegen.KernelConfig): MEGART_ATTN_RING_BYTES
-    when given (0 turns the ring off), else ATTN_RING with one CTA per SM and under LOW_REG_THREADS threads (the body's
-    !kLowRegs case), 0 otherwise (the register path, as before the ring). The Llama model asks for 32 KB
-    where its chunks are short, for a sixth weight slot per warp (megart/models/llama.py
-    attention_ring_default). Where K/V
-    come through the weight stream (config.kv_streamed) the ring is off: an instance the stream does not
-    carry (no pos_stamp) reads its rows through registers."""
-    from ..config import caller_macros, kv_streamed
-    forced = caller_macros(cfg).get("MEGART_ATTN_RING_BYTES")
-    if forced is not None:
-        return int(forced)
-    if kv_streamed(cfg):
-        return 0
-    return ATTN_RING if cfg.min_blocks == 1 and cfg.threads < LOW_REG_THREADS else 0
-
-
 def _attn_smem(cfg) -> int:
     return max(SMEM_ATTN_MERGE, attn_ring_bytes(cfg))
-
-
-def ring_geometry(ring_bytes: int, threads: int) -> tuple[int, int]:
-    """attention_decode's K/V ring of `ring_bytes` per CTA at `threads` threads: (positions per thread in one
-    stage, which is one batch of the online softmax; stages). A position takes 32 bytes per thread (its K and
-    V vectors); at most 4 stages. No room for two stages (the ring off included) means the register path."""
-    def largest(positions):  # the most positions per stage that still leaves 4 stages (1 below 8)
-        return 4 if positions >= 16 else 2 if positions >= 8 else 1
-
-    positions = ring_bytes // (threads * 32)
-    # A smaller ring keeps the default ring's batch where two stages of it fit: the body then needs no other
-    # position order (at 32 KB and 256 threads, one position per stage spilled registers).
-    default_u = largest(ATTN_RING // (threads * 32))
-    per_stage = largest(positions)
-    if per_stage < default_u and positions >= 2 * default_u:
-        per_stage = default_u
-    return per_stage, min(4, positions // per_stage)
-
-
-def _attn_defines(cfg) -> dict:
-    # ORDER_U: the batches of the ring at its default size, whose position order the streamed K/V path keeps,
-    # bit for bit. The ring geometries are computed here only (tasks/attention_decode.cuh takes them as given).
-    ring_u, ring_stages = ring_geometry(attn_ring_bytes(cfg), cfg.threads)
-    return {"MEGART_ATTN_RING_BYTES": attn_ring_bytes(cfg), "MEGART_ATTN_RING_U": ring_u,
-            "MEGART_ATTN_RING_STAGES": ring_stages, "MEGART_ATTN_ORDER_U": ring_geometry(ATTN_RING, cfg.threads)[0]}
 
 
 def _attn_macros(params) -> dict:
@@ -543,7 +500,7 @@ register(TaskType(
     source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS + ("tasks/attention_decode_blocks.cuh",),
     reference=_attn_fused_ref, split=_attn_split,
     stream=True, stream_format="kv",
-    cost=_attn_cost, smem_bytes=SMEM_ATTN, smem_for=_attn_smem, defines_for=_attn_defines,
+    cost=_attn_cost, smem_bytes=SMEM_ATTN, smem_for=_attn_smem, defines_for=ring_defines,
     macros_for=_attn_macros,
     doc="Flash-decoding partials (m, l, unnormalised o) of one query token over one KV chunk of one kv "
         "head (GQA), kv_len = pos + 1 read on the device; with out and arrivals (one i32 counter per kv head, "

@@ -279,7 +279,7 @@ struct DecodeBody {
 // qkv (or staged from k_new in the tagged form), so the body reads that row after its wait instead.
 constexpr bool kStreamKv = megart::StreamOn<megart_params_attention_decode>::value;
 #ifndef MEGART_ATTN_ORDER_U
-#error "the streamed K/V path needs MEGART_ATTN_ORDER_U from tasks/attention.py"
+#error "the streamed K/V path needs MEGART_ATTN_ORDER_U from tasks/attention_ring.py"
 #endif
 constexpr int kKvRu = MEGART_ATTN_ORDER_U;
 template <int HD>

@@ -9,15 +9,15 @@
 
 namespace megart_attn {
 // kAttnStageWarps: warps merged per shared-memory round (generated from tasks/attention.py)
-// K/V ring per CTA, set by tasks/attention.py (attn_ring_bytes; 0: the register path for every group).
+// K/V ring per CTA, set by tasks/attention_ring.py (attn_ring_bytes; 0: the register path for every group).
 #ifndef MEGART_ATTN_RING_BYTES
 #define MEGART_ATTN_RING_BYTES 0
 #endif
 constexpr int kAttnRingBytes = MEGART_ATTN_RING_BYTES;
-// The ring's geometry (attention_decode_body), computed in tasks/attention.py (ring_geometry): positions per
+// The ring's geometry (attention_decode_body), computed in tasks/attention_ring.py (ring_geometry): positions per
 // stage per thread (RU; a batch of the online softmax) and stages (RS); fewer than 2 stages: no ring.
 #if !defined(MEGART_ATTN_RING_U) || !defined(MEGART_ATTN_RING_STAGES)
-#error "attention_decode needs its ring geometry from tasks/attention.py (the type's defines_for)"
+#error "attention_decode needs its ring geometry from tasks/attention_ring.py (the type's defines_for)"
 #endif
 constexpr int kRingU = MEGART_ATTN_RING_U, kRingStages = MEGART_ATTN_RING_STAGES;
 // MEGART_DIAG_NO_WAIT bit 2 (a timing diagnostic, device builds only; csrc/runtime.cuh): attention reads no

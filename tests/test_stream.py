@@ -54,7 +54,8 @@ def test_attention_k_v_on_the_stream_only_when_asked():
     """MEGART_STREAM_KV=1 (with the stream on) puts attention_decode on the stream in its "kv" format: its own
     64 KB ring is off then (its instances keep only the merge's shared memory), and its staged row is static
     memory the ring is sized against. Without the stream, or by default, attention keeps its ring."""
-    from megart.tasks.attention import SMEM_ATTN_MERGE, attn_ring_bytes
+    from megart.tasks.attention import SMEM_ATTN_MERGE
+    from megart.tasks.attention_ring import attn_ring_bytes
     types = _types("gemv_m1", "qkv_rope_append", "attention_decode")
     on = KernelConfig(defines={"MEGART_STREAM_SLOTS": "auto", "MEGART_STREAM_KV": 1})
     lay = stream.layout(types, on)

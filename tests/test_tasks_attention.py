@@ -306,13 +306,14 @@ def test_attention_32k_static_small_chunks():
 def test_attention_ring_config(nw, threads, defines, ring):
     """The K/V ring (group < 8, one CTA per SM, < 512 threads) sizes the dynamic shared memory; two CTAs per
     SM, 512 threads or MEGART_ATTN_RING_BYTES=0 keep the register path and the merge stage's 33,280 bytes."""
-    from megart.tasks.attention import SMEM_ATTN, SMEM_ATTN_MERGE, attn_ring_bytes
+    from megart.tasks.attention import SMEM_ATTN, SMEM_ATTN_MERGE
+    from megart.tasks.attention_ring import attn_ring_bytes
     pk, *_ = attention_only(SHAPES[128], 2048, 2048, nw=nw, threads=threads, defines=defines)
     assert attn_ring_bytes(pk.kernel_config()) == ring
     assert pk.smem_bytes() == max(ring, SMEM_ATTN_MERGE) <= SMEM_ATTN
     compiled(pk)
     assert f"#define MEGART_ATTN_RING_BYTES {ring}\n" in pk.source.text
-    from megart.tasks.attention import ring_geometry
+    from megart.tasks.attention_ring import ring_geometry
     per_stage, stages = ring_geometry(ring, threads)
     assert f"#define MEGART_ATTN_RING_U {per_stage}\n" in pk.source.text
     assert f"#define MEGART_ATTN_RING_STAGES {stages}\n" in pk.source.text
@@ -330,7 +331,7 @@ def test_attention_ring_geometry(ring, threads, geometry):
     default keeps the default ring's batch where two stages of it fit (32 KB at 256 threads: 2 x 2, not 1 x 4,
     which spilled the 1B kernel); under 2 stages the body takes the register path (tasks/attention_decode.cuh
     uses these as given)."""
-    from megart.tasks.attention import ring_geometry
+    from megart.tasks.attention_ring import ring_geometry
     assert ring_geometry(ring, threads) == geometry
 
 

@@ -135,7 +135,7 @@ def attention_ring_default(cfg: LlamaConfig, chunks: int, kcfg) -> dict:
     tasks/attention.py."""
     from ..config import caller_macros, stream_requested
     from ..stream import DEFAULT_STAGE_CHUNKS, slot_bytes
-    from ..tasks.attention import ATTN_RING
+    from ..tasks.attention_ring import ATTN_RING
     macros = caller_macros(kcfg)
     if "MEGART_ATTN_RING_BYTES" in macros or not stream_requested(kcfg) or kv_streamed(kcfg):
         return {}
