@@ -231,6 +231,8 @@ def test_short_attention_ring_where_chunks_fit():
     assert llama.attention_ring_default(llama.config("qwen3_0.6b"), 16, kc()) == {}   # GQA group 2
     assert llama.attention_ring_default(c, 16, kc(threads=384)) == {}             # 48 KB per slot level
     assert llama.attention_ring_default(c, 16, kc(MEGART_STREAM_STAGE=256)) == {}  # 8 KB slots
+    assert llama.attention_ring_default(c, 16, kc(MEGART_STREAM_STAGE=64)) == short
+    assert llama.attention_ring_default(c, 16, kc(MEGART_STREAM_STAGE="x")) == {}  # (the stream's layout refuses it)
     assert llama.attention_ring_default(c, 16, kc(MEGART_STREAM_KV=1)) == {}      # attention's ring is off
     assert llama.attention_ring_default(c, 16, kc(MEGART_ATTN_RING_BYTES=65536)) == {}
     assert llama.attention_ring_default(c, 16, codegen.KernelConfig(threads=256)) == {}   # registers
