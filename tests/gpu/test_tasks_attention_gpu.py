@@ -126,7 +126,8 @@ def test_attention_groups_gpu(cuda, group):
     check(t["out"].data.cpu(), ref_attention_decode(q, k, v, 3001), TOL_ATTN, f"group {group}")
 
 
-@pytest.mark.parametrize("defines", [{}, {"MEGART_ATTN_RING_BYTES": 0}], ids=["ring", "registers"])
+@pytest.mark.parametrize("defines", [{}, {"MEGART_ATTN_RING_BYTES": 32 << 10}, {"MEGART_ATTN_RING_BYTES": 0}],
+                         ids=["ring", "ring-32KB", "registers"])
 def test_attention_after_a_late_pos_advance_gpu(cuda, defines):
     """pos_advance in the same launch, after a 200 us spin on worker 0, so pos moves while the attention
     workers wait (dynamic chunks: the chunk bounds move with it). Each body (the K/V ring and the register
