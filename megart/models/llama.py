@@ -224,11 +224,6 @@ class LlamaModel:
                                             **(defines or {})}, peers=peers)
         self.nw = self.pk.nw
         self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
-        ring = attention_ring_default(cfg, attention_chunks(cfg.n_kv, cfg.max_seq, self.nw,
-                                                            chunks=self.tiles["attn_chunks"]),
-                                      self.pk.kernel_config()) if self.short_attn_ring_default else {}
-        self.pk.defines = {**self.pk.defines, **check_defines(ring)}
-        self.attn_ring_short = bool(ring)   # (compile() drops it where it would not build clean)
         self.deps = deps
         self.kv_refs = kv_refs
         self.attn_merge = attn_merge
@@ -236,6 +231,10 @@ class LlamaModel:
         self.groups: dict = {}
         self._attn_calls: list = []   # (each layer's attention call, its cache tensors): for kv_commit
         self._alloc()
+        # (the chunk count _alloc sized the partials with; a macro read at compile only)
+        ring = attention_ring_default(cfg, self.chunks, self.pk.kernel_config()) if self.short_attn_ring_default else {}
+        self.pk.defines = {**self.pk.defines, **check_defines(ring)}
+        self.attn_ring_short = bool(ring)   # (compile() drops it where it would not build clean)
         self._build()
         self._host = None
         self._pos_next_host = cfg.prefill      # what pos_next holds on the device (tracked, never read back)
