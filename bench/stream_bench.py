@@ -18,7 +18,8 @@ That per-call table is how the engines are compared: which calls got slower or f
 difference is in the body (bytes arriving) or in the wait (the producer of the input). With --spans DIR the
 profiled build's raw span records are saved there and bench/spans_report.py's tables printed (per worker, one
 layer's calls, a layer's hops along the dependency chain). Model options beside the macros: deps, attn_merge,
-attn_chunks, tagged, tagged_attn, threads (e.g. --variants "default;threads=384;attn_chunks=8").
+attn_chunks, tagged, tagged_attn, threads, tiles_<call> (instances of a call, e.g. tiles_o=128; e.g. --variants
+"default;threads=384;attn_chunks=8").
 """
 from __future__ import annotations
 
@@ -55,18 +56,25 @@ def parse_variant(text: str) -> dict:
 
 MODEL_OPTIONS = ("deps", "attn_merge", "attn_chunks", "tagged", "tagged_attn", "threads")   # attn_chunks: the model's
 #                                                                                           tiles["attn_chunks"]
+TILES_PREFIX = "tiles_"   # tiles_<call>=N: the model's tiles[<call>] (llama.default_tiles' keys, e.g. tiles_o=128)
 
 
 def split_variant(variant: dict) -> tuple[dict, dict]:
     """(kernel macros, LlamaModel keyword options)."""
-    unknown = [k for k in variant if not k.startswith("MEGART_") and k not in MODEL_OPTIONS]
+    keys = set(llama.default_tiles(llama.config("1b"), 132))
+    tiles = {k[len(TILES_PREFIX):]: int(v) for k, v in variant.items() if k.startswith(TILES_PREFIX)}
+    unknown = [k for k in variant if not k.startswith(("MEGART_", TILES_PREFIX)) and k not in MODEL_OPTIONS]
+    unknown += [TILES_PREFIX + k for k in tiles if k not in keys]
     if unknown:
-        raise SystemExit(f"stream_bench: {unknown} are neither MEGART_* macros nor model options {MODEL_OPTIONS}")
+        raise SystemExit(f"stream_bench: {unknown} are neither MEGART_* macros nor model options {MODEL_OPTIONS} "
+                         f"nor {TILES_PREFIX}<call> for a call in {sorted(keys)}")
     model = {k: v for k, v in variant.items() if k in MODEL_OPTIONS}
     if "threads" in model:
         model["threads"] = int(model["threads"])
     if "attn_chunks" in model:
-        model["tiles"] = {"attn_chunks": int(model.pop("attn_chunks"))}
+        tiles["attn_chunks"] = int(model.pop("attn_chunks"))
+    if tiles:
+        model["tiles"] = tiles
     for k in ("tagged", "tagged_attn"):   # tagged=1 / tagged_attn=0: the model's tagged vectors (megart/tagged.py)
         if k in model:
             model[k] = model[k] not in ("0", "false", "False")

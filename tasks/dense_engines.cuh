@@ -42,6 +42,16 @@ __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs,
   }
 }
 
+// Whole row pairs per warp (g = warp, warp + kWarps, ...) where a matvec has at least as many pairs as warps;
+// fewer: one K slice per warp, combined across warps (matvec, below). MEGART_PAIRS_FROM_HALF=1 (experiment):
+// whole pairs already above kWarps / 2 pairs, where the split would be 1 (the same segments, the spare
+// warps idle) and only its combine through `red` differs.
+#if defined(MEGART_PAIRS_FROM_HALF) && MEGART_PAIRS_FROM_HALF
+constexpr int kWholePairsFrom = kWarps / 2 + 1;
+#else
+constexpr int kWholePairsFrom = kWarps;
+#endif
+
 // Split-K tail of a matvec (groups < kWarps): every warp's summed partials go to `red`, then warp
 // g < groups adds the kWarps / groups partials of its group in a fixed order and runs epi. Ends synced.
 template <class Epi>
@@ -118,7 +128,7 @@ struct Segment {
   int g, c0, c1;
 };
 __device__ __forceinline__ bool warp_segment(int groups, int kc, int warp, int k, Segment& s) {
-  if (groups >= kWarps) {
+  if (groups >= kWholePairsFrom) {
     s = Segment{warp + k * kWarps, 0, kc};
     return s.g < groups;
   }
@@ -156,7 +166,7 @@ struct StageCursor {
 template <class Epi, class Consume>
 __device__ __forceinline__ void walk_segments(const StageCursor& st, int groups, float* red, Epi epi,
                                               Consume consume_segment) {
-  if (groups >= kWarps) {
+  if (groups >= kWholePairsFrom) {
     while (st.live) {
       const int g = st.s.g;
       float s[2] = {0.f, 0.f};
@@ -302,7 +312,7 @@ __device__ __forceinline__ void matvec_ring(int groups, int kc, const uint4* xs,
 template <bool FP8, class Rows, class Epi>
 __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, float* red, Rows rows, Epi epi) {
   const int warp = threadIdx.x >> 5;
-  if (groups >= kWarps) {
+  if (groups >= kWholePairsFrom) {
     for (int g = warp; g < groups; g += kWarps) {
       const void* w[2];
       rows(g, w);
@@ -424,7 +434,7 @@ struct NoPre {
 template <class Pre>
 __device__ __forceinline__ void prefetch_epilogues(int groups, Pre pre) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (groups >= kWarps) {  // whole pairs: warp w finishes groups w, w + kWarps, ...
+  if (groups >= kWholePairsFrom) {  // whole pairs: warp w finishes groups w, w + kWarps, ...
     for (int g = warp + kWarps * lane; g < groups; g += 32 * kWarps) pre(g);
   } else if (lane == 0) {  // one K slice per warp: group warp / split
     const int split = kWarps / groups;

@@ -156,8 +156,8 @@ def test_hostsim_catches_a_divergent_barrier(tmp_path, engine):
                       "  unsigned j = stream_read_begin(warp);\n  if (threadIdx.x == 3) return;")
         defines = STREAM(2)
     else:                       # matvec
-        src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5;\n  if (groups >= kWarps) {",
-                      "  const int warp = threadIdx.x >> 5;\n  if (threadIdx.x == 3) return;\n  if (groups >= kWarps) {")
+        src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5;\n  if (groups >= kWholePairsFrom) {",
+                      "  const int warp = threadIdx.x >> 5;\n  if (threadIdx.x == 3) return;\n  if (groups >= kWholePairsFrom) {")
         defines = REGISTERS
     with pytest.raises(dense_hostsim.HostSimError, match="barrier"):
         dense_hostsim.run(_one_gemv(src, defines))
@@ -222,6 +222,28 @@ def test_weight_engines_are_bit_identical_to_the_register_path(n, k, tiles, nw):
             assert torch.equal(outs[threads, str(defines)][name], outs[threads, str(REGISTERS)][name]), \
                 (threads, defines, name)
 
+
+@pytest.mark.parametrize("n", [10, 14])   # 5 and 7 row pairs: fewer than the 8 warps, more than half of them
+def test_whole_pairs_from_half_the_warps_gives_the_same_bits(n):
+    """MEGART_PAIRS_FROM_HALF=1 (a timing experiment) gives an instance of 5-7 row pairs whole pairs per warp
+    instead of the split-K path at split 1: the same segments, no combine through shared memory. The outputs
+    (with a residual, and gate/up) are the split path's bits, on the register engine and on the stream."""
+    w, x = geo.dense_m1(n, 2064, seed=8)
+    wu, _ = geo.dense_m1(n, 2064, seed=9)
+    res = geo.dense_m1(1, n, seed=10)[1]
+    outs = []
+    for defines in (REGISTERS, REGISTERS | {"MEGART_PAIRS_FROM_HALF": 1}, STREAM("auto") | {"MEGART_PAIRS_FROM_HALF": 1}):
+        pk = megart.PersistentKernel(nw=1, device="cpu", defines=defines)
+        X, W = pk.tensor(x, "x"), pk.tensor(w, "w")
+        pk.task("gemv_m1", y=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y"), w=W, x=X,
+                residual=pk.tensor(res, "res"))
+        pk.task("gate_up_silu", h=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "h"), w_gate=W,
+                w_up=pk.tensor(wu, "wu"), x=X)
+        pk.compile()
+        outs.append({kk: v.clone() for kk, v in dense_hostsim.run(pk, steps=1).items()})
+    assert geo.relerr(outs[0]["y"], geo.ref_gemv(w, x, residual=res)) < 1e-2
+    for o in outs[1:]:
+        assert torch.equal(o["y"], outs[0]["y"]) and torch.equal(o["h"], outs[0]["h"])
 
 def test_weight_ring_sizing():
     """Off by default (the register engine: 33 KB); asked for, 3 slots of 8 KB per warp at 256 threads
