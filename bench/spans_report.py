@@ -14,7 +14,9 @@ Two tables, medians over the profiled steps after the first:
   middle layers (what each link of the dependency chain adds to the step);
 * each call's bodies: the median instance's body and the last-ending instance's, medians over the middle
   layers. Where the last instance does more than the others (attention's: the chunk that arrives last also
-  merges the head's partials), their difference is what that extra work costs the chain.
+  merges the head's partials), their difference is what that extra work costs the chain;
+* each call's instances in six index bands: body and end after the call's last end per band (instances
+  dealt a row pair less, or taking another code path, end apart from the rest).
 """
 from __future__ import annotations
 
@@ -130,6 +132,29 @@ def last_bodies(records, call_of, labels, step) -> dict:
     return {k: tuple(float(np.median([v[j] for v in vs])) for j in range(2)) for k, vs in rows.items()}
 
 
+def by_instance(records, call_of, labels, step, bands: int = 6) -> dict:
+    """Per call kind of the middle layers "L<n>.": its instances in index order (uid minus the call's first),
+    cut into `bands` contiguous bands: (first index, last index, median body, median end after the call's last
+    end), us, medians over the layers. Instances dealt unequal work (even_tiles: a row pair less for the last
+    ones) or run on a different path show here as a band that ends apart from the others."""
+    mid = set(_layers(labels)[1])
+    r, ci = _step_rows(records, call_of, step)
+    rows: dict = {}
+    for i, lb in enumerate(labels):
+        x = r[ci == i]
+        if _layer(lb) not in mid or len(x) < bands:
+            continue
+        x = x[np.argsort(x[:, INSTANCE])]
+        last = x[:, END].max()
+        for j, band in enumerate(np.array_split(np.arange(len(x)), bands)):
+            y = x[band]
+            rows.setdefault(call_kind(lb), {}).setdefault(j, []).append(
+                (int(band[0]), int(band[-1]), float(np.median(y[:, END] - y[:, BEGIN])) / 1e3,
+                 float(np.median(y[:, END] - last)) / 1e3))
+    return {k: [(v[0][0], v[0][1], float(np.median([t[2] for t in v])), float(np.median([t[3] for t in v])))
+                for _, v in sorted(bs.items())] for k, bs in rows.items()}
+
+
 def _median_of(dicts: list) -> dict:
     out = {k: float(np.median([d[k] for d in dicts])) for k in dicts[0] if k != "kinds"}
     out["kinds"] = {k: tuple(float(np.median([d["kinds"][k][j] for d in dicts])) for j in (0, 1))
@@ -161,6 +186,11 @@ def report(path, layer: int = 1) -> str:
         lines.append(f"  each call's bodies, step {mid} (us, medians over the middle layers): median instance / the "
                      "last-ending instance / its extra")
         lines += [f"  {k:14s} {m:8.2f} {x:8.2f} {x - m:8.2f}" for k, (m, x) in lb.items()]
+    bi = by_instance(records, call_of, labels, mid)
+    if bi:
+        lines.append(f"  each call's instances in index bands, step {mid} (medians over the middle layers): "
+                     "first-last index: body us / end us after the call's last end")
+        lines += [f"  {k:14s} " + "  ".join(f"{a}-{b}: {bd:.2f} / {e:.2f}" for a, b, bd, e in v) for k, v in bi.items()]
     return "\n".join(lines)
 
 

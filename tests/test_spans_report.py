@@ -73,3 +73,22 @@ def test_last_bodies_give_what_the_last_instance_does_more(tmp_path):
     rec, co, lb = spans_report.load(path)
     assert spans_report.last_bodies(rec, co, lb, 1) == {"attn": (3.0, 5.0)}
     assert "last-ending instance" in spans_report.report(path, layer=1)
+
+
+def test_instance_bands_show_the_instances_that_end_apart(tmp_path):
+    """Per call kind of the middle layer: instances in index bands; the last band (a row pair less, a slower path)
+    ends 1 us after the others, which end 1 us before the call's last end."""
+    labels = ["L0.o", "L1.o", "L2.o"]
+    call_of = np.repeat(np.arange(3), 6)
+    spans = []
+    for layer in range(3):
+        base = 10000 * layer
+        for j in range(6):   # instances 4 and 5 of each layer take 3 us, the others 2
+            spans.append((6 * layer + j, j, base, base + (3000 if j >= 4 else 2000)))
+    rows = [(1, uid, w, bb, bb, be) for uid, w, bb, be in spans]
+    path = tmp_path / "i.npz"
+    np.savez_compressed(path, records=_records(rows), call_of=call_of, labels=np.array(labels))
+    rec, co, lb = spans_report.load(path)
+    bands = spans_report.by_instance(rec, co, lb, 1, bands=3)
+    assert bands == {"o": [(0, 1, 2.0, -1.0), (2, 3, 2.0, -1.0), (4, 5, 3.0, 0.0)]}
+    assert "3-3: 2.00 / -1.00  4-4: 3.00 / 0.00" in spans_report.report(path, layer=1)   # (6 bands)
