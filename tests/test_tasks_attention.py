@@ -11,7 +11,6 @@ TOL_QKV / TOL_ATTN and cosine >= 0.99.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -317,22 +316,6 @@ def test_attention_ring_config(nw, threads, defines, ring):
     per_stage, stages = ring_geometry(ring, threads)
     assert f"#define MEGART_ATTN_RING_U {per_stage}\n" in pk.source.text
     assert f"#define MEGART_ATTN_RING_STAGES {stages}\n" in pk.source.text
-
-
-@pytest.mark.parametrize("ring,threads,geometry", [(64 << 10, 256, (2, 4)), (64 << 10, 128, (4, 4)),
-                                                   (32 << 10, 256, (2, 2)), (32 << 10, 128, (4, 2)),
-                                                   (32 << 10, 384, (1, 2)), (64 << 10, 384, (1, 4)),
-                                                   (64 << 10, 512, (1, 4)), (16 << 10, 256, (1, 2)),
-                                                   (128 << 10, 256, (4, 4)),
-                                                   (8 << 10, 256, (1, 1)), (0, 256, (1, 0))])
-def test_attention_ring_geometry(ring, threads, geometry):
-    """Positions per stage (a softmax batch) and stages of the K/V ring: 32 bytes per thread and position,
-    batches of 4 / 2 / 1 from 16 / 8 / fewer positions per thread, at most 4 stages; a ring smaller than the
-    default keeps the default ring's batch where two stages of it fit (32 KB at 256 threads: 2 x 2, not 1 x 4,
-    which spilled the 1B kernel); under 2 stages the body takes the register path (tasks/attention_decode.cuh
-    uses these as given)."""
-    from megart.tasks.attention_ring import ring_geometry
-    assert ring_geometry(ring, threads) == geometry
 
 
 def test_attention_detects_feature_drops():
