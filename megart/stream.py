@@ -153,9 +153,7 @@ def layout(types, cfg: KernelConfig, overrides: dict | None = None) -> StreamLay
         return StreamLayout()
     offset = -(-max([t.shared_bytes(cfg) for t in types] + [0]) // ALIGN) * ALIGN
     warps = cfg.threads // 32
-    # MEGART_STREAM_STAGE: 128 by default (a slot holds 4 KB, half a 2048-wide bf16 row pair)
-    chunks = _choice(cfg, "MEGART_STREAM_STAGE", STAGE_CHUNKS, "16-byte chunks per row in one weight-stream stage",
-                     DEFAULT_STAGE_CHUNKS)
+    chunks = stage_chunks(cfg)
     _check_kv_stage(types, names, cfg, chunks)
     if forced is not None:
         slots = forced
@@ -199,6 +197,13 @@ def _check_kv_stage(types, names, cfg: KernelConfig, chunks: int) -> None:
         raise GraphError(f"MEGART_STREAM_KV=1 with MEGART_STREAM_STAGE={chunks} at {cfg.threads} threads: a K/V "
                          f"stage would hold {ub} steps of each warp's rows, not whole batches of attention's {ru}; "
                          "use a larger MEGART_STREAM_STAGE, or MEGART_STREAM_KV=0")
+
+
+def stage_chunks(cfg: KernelConfig) -> int:
+    """MEGART_STREAM_STAGE of the caller's defines: 128 by default (a slot holds 4 KB, half a 2048-wide bf16 row
+    pair); a value not in STAGE_CHUNKS is a GraphError naming it."""
+    return _choice(cfg, "MEGART_STREAM_STAGE", STAGE_CHUNKS, "16-byte chunks per row in one weight-stream stage",
+                   DEFAULT_STAGE_CHUNKS)
 
 
 def _choice(cfg: KernelConfig, name: str, allowed: tuple, what: str, default: int) -> int:

@@ -134,17 +134,18 @@ def attention_ring_default(cfg: LlamaConfig, chunks: int, kcfg) -> dict:
     (1b_32k +17 us), and block8b (chunks of 135 KB) is level. `{}` means: leave the ring to
     tasks/attention.py."""
     from ..config import caller_macros, stream_requested
-    from ..stream import DEFAULT_STAGE_CHUNKS, STAGE_CHUNKS, slot_bytes
+    from ..errors import GraphError
+    from ..stream import slot_bytes, stage_chunks
     from ..tasks.attention_ring import ATTN_RING
-    macros = caller_macros(kcfg)
-    if "MEGART_ATTN_RING_BYTES" in macros or not stream_requested(kcfg) or kv_streamed(kcfg):
+    if "MEGART_ATTN_RING_BYTES" in caller_macros(kcfg) or not stream_requested(kcfg) or kv_streamed(kcfg):
         return {}
     if cfg.group < 4:   # (smaller GQA groups: their attention body spills the stream build, which "auto" declines)
         return {}
-    stage = str(macros.get("MEGART_STREAM_STAGE", DEFAULT_STAGE_CHUNKS)).strip()
-    if stage not in map(str, STAGE_CHUNKS):   # (megart/stream.py names a value it does not take)
+    try:
+        stage = stage_chunks(kcfg)
+    except GraphError:   # (a value the stream does not take: its own GraphError names it at compile)
         return {}
-    if (kcfg.threads // 32) * slot_bytes(int(stage)) > ATTN_RING - SHORT_ATTN_RING:
+    if (kcfg.threads // 32) * slot_bytes(stage) > ATTN_RING - SHORT_ATTN_RING:
         return {}
     chunk_rows = -(-cfg.max_seq // max(1, chunks))
     if chunk_rows * cfg.hd * 2 * 2 > ATTN_RING:   # (a kv head's K and V rows, bf16)
