@@ -240,6 +240,7 @@ def test_whole_pairs_from_half_the_warps_gives_the_same_bits(n):
         pk.task("gate_up_silu", h=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "h"), w_gate=W,
                 w_up=pk.tensor(wu, "wu"), x=X)
         pk.compile()
+        assert ("#define MEGART_PAIRS_FROM_HALF 1\n" in pk.source.text) == ("MEGART_PAIRS_FROM_HALF" in defines)
         outs.append({kk: v.clone() for kk, v in dense_hostsim.run(pk, steps=1).items()})
     assert geo.relerr(outs[0]["y"], geo.ref_gemv(w, x, residual=res)) < 1e-2
     for o in outs[1:]:
