@@ -92,6 +92,11 @@ __device__ __forceinline__ void signal_event(unsigned* events, int ev) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(events + ev) : "memory");
 }
 
+// (the diagnostic bits are described with wait_event, below)
+#ifndef MEGART_DIAG_NO_WAIT
+#define MEGART_DIAG_NO_WAIT 0
+#endif
+
 // MEGART_LEAN_SYNC (default 1): an instance's signals share one release fence, then relaxed adds (each
 // red.release fences again, and a fence waits for the adds before it to be acknowledged, so an instance's
 // second signal left a memory round trip after its first). 0 keeps one red.release per signal.
@@ -101,6 +106,7 @@ __device__ __forceinline__ void signal_event(unsigned* events, int ev) {
 constexpr bool kLeanSync = MEGART_LEAN_SYNC != 0;
 template <bool kSys>
 __device__ __forceinline__ void fence_release() {
+  if constexpr ((MEGART_DIAG_NO_WAIT & 64) != 0) return;  // bit 6 (timing only, unordered signals)
   if constexpr (kSys) asm volatile("fence.acq_rel.sys;" ::: "memory");
   else asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
@@ -176,9 +182,8 @@ __device__ __forceinline__ bool spin_on(long long* ctrl, unsigned long long star
 // and drops attention's K/V reads instead (tasks/attention_decode.cuh). Bit 3 keeps chain and stream and
 // drops the streamed dots' arithmetic (tasks/dense_engines.cuh): what a consumer faster than HBM would give.
 // Bit 4 drops the warp sums after each row pair of the shared-memory engines (the epilogues' shuffles).
-#ifndef MEGART_DIAG_NO_WAIT
-#define MEGART_DIAG_NO_WAIT 0
-#endif
+// Bit 5 makes attention's arrival count relaxed (tasks/attention_common.cuh), bit 6 drops the release fence
+// before an instance's signals (fence_release): what those two memory orderings cost the chain.
 
 // Spin until events[ev] reaches `need` (counters only grow; compared modulo 2^32). Returns false if
 // the watchdog fired here or anywhere else. The timer is read only on the slow path. kSys: a peer event.

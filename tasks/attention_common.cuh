@@ -141,7 +141,10 @@ __device__ __forceinline__ bool arrive_last(int* counter, int n) {
     // the last, acquires every other instance's. The reset needs no fence: the next arrivals come in a
     // later launch.
     int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    if constexpr ((MEGART_DIAG_NO_WAIT & 32) != 0)  // bit 5 (timing only, an unordered merge)
+      asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    else
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
     if (old != n - 1) return false;
     asm volatile("st.relaxed.gpu.global.s32 [%0], 0;" ::"l"(counter) : "memory");
     return true;

@@ -42,17 +42,13 @@ __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs,
   }
 }
 
-// Whole row pairs per warp (g = warp, warp + kWarps, ...) where a matvec has at least as many pairs as warps;
-// fewer: one K slice per warp, combined across warps (matvec, below). MEGART_PAIRS_FROM_HALF=1 (experiment):
-// whole pairs already above kWarps / 2 pairs, where the split would be 1 (the same segments, the spare
-// warps idle) and only its combine through `red` differs.
-#if defined(MEGART_PAIRS_FROM_HALF) && MEGART_PAIRS_FROM_HALF
+// Whole row pairs per warp (g = warp, warp + kWarps, ...) where a matvec has more pairs than half the warps;
+// fewer: one K slice per warp, combined across warps (matvec, below). Between half and all the warps the split
+// would be 1 (the same segments, the spare warps idle) and its combine through `red` behind two barriers made
+// those instances end last in the 1B step (o_proj and down dealt 7 pairs to some instances): whole pairs there.
 constexpr int kWholePairsFrom = kWarps / 2 + 1;
-#else
-constexpr int kWholePairsFrom = kWarps;
-#endif
 
-// Split-K tail of a matvec (groups < kWarps): every warp's summed partials go to `red`, then warp
+// Split-K tail of a matvec (groups < kWholePairsFrom): every warp's summed partials go to `red`, then warp
 // g < groups adds the kWarps / groups partials of its group in a fixed order and runs epi. Ends synced.
 template <class Epi>
 __device__ __forceinline__ void combine_split(const float (&s)[2], int groups, float* red, Epi epi) {
@@ -123,7 +119,7 @@ __device__ __forceinline__ const uint4* ring_slot(char* smem, int warp, int slot
 }
 
 // The k-th (row pair, chunk range) segment warp `warp` owns in a matvec over `groups` pairs of kc chunks:
-// whole pairs g = warp, warp + kWarps, ... when groups >= kWarps, else one K slice (see matvec).
+// whole pairs g = warp, warp + kWarps, ... when groups >= kWholePairsFrom, else one K slice (see matvec).
 struct Segment {
   int g, c0, c1;
 };
@@ -306,9 +302,9 @@ __device__ __forceinline__ void matvec_ring(int groups, int kc, const uint4* xs,
 // Matrix-vector over `groups` row pairs: rows(g, ptr) names the two weight rows of group g (the same
 // row twice for an odd tail), kc = 16-byte chunks per row, epi(g, dot0, dot1) runs on every lane of
 // one warp with full fp32 sums (bit-identical across lanes: butterfly sums commute).
-// groups >= warps: each warp owns whole groups (g = warp, warp + kWarps, ...). Fewer groups than
-// warps: the idle warps split K instead (kWarps / groups warps per group, partial sums combined in
-// `red`, 2 floats per warp, in a fixed order), so a small instance still has every warp streaming.
+// groups >= kWholePairsFrom: each warp owns whole groups (g = warp, warp + kWarps, ...). At most half as
+// many groups as warps: the idle warps split K instead (kWarps / groups warps per group, partial sums
+// combined in `red`, 2 floats per warp, in a fixed order), so a small instance still has every warp streaming.
 template <bool FP8, class Rows, class Epi>
 __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, float* red, Rows rows, Epi epi) {
   const int warp = threadIdx.x >> 5;

@@ -224,27 +224,30 @@ def test_weight_engines_are_bit_identical_to_the_register_path(n, k, tiles, nw):
 
 
 @pytest.mark.parametrize("n", [10, 14])   # 5 and 7 row pairs: fewer than the 8 warps, more than half of them
-def test_whole_pairs_from_half_the_warps_gives_the_same_bits(n):
-    """MEGART_PAIRS_FROM_HALF=1 (a timing experiment) gives an instance of 5-7 row pairs whole pairs per warp
-    instead of the split-K path at split 1: the same segments, no combine through shared memory. The outputs
-    (with a residual, and gate/up) are the split path's bits, on the register engine and on the stream."""
-    w, x = geo.dense_m1(n, 2064, seed=8)
-    wu, _ = geo.dense_m1(n, 2064, seed=9)
-    res = geo.dense_m1(1, n, seed=10)[1]
-    outs = []
-    for defines in (REGISTERS, REGISTERS | {"MEGART_PAIRS_FROM_HALF": 1}, STREAM("auto") | {"MEGART_PAIRS_FROM_HALF": 1}):
+def test_an_instance_of_more_pairs_than_half_the_warps_deals_whole_pairs(n):
+    """5-7 row pairs give each warp a whole pair (the spare warps idle, no combine through shared memory): each
+    row's output is the bits of the same row in an 8-pair instance (whole pairs too), with a residual and for
+    gate/up, on the register engine and on the stream; and the rule reaches the generated source."""
+    w16, x = geo.dense_m1(16, 2064, seed=8)
+    wu16, _ = geo.dense_m1(16, 2064, seed=9)
+    res16 = geo.dense_m1(1, 16, seed=10)[1]
+
+    def run(defines, rows):
         pk = megart.PersistentKernel(nw=1, device="cpu", defines=defines)
-        X, W = pk.tensor(x, "x"), pk.tensor(w, "w")
-        pk.task("gemv_m1", y=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "y"), w=W, x=X,
-                residual=pk.tensor(res, "res"))
-        pk.task("gate_up_silu", h=pk.tensor(torch.zeros(n, dtype=torch.bfloat16), "h"), w_gate=W,
-                w_up=pk.tensor(wu, "wu"), x=X)
+        X, W = pk.tensor(x, "x"), pk.tensor(w16[:rows].contiguous(), "w")
+        pk.task("gemv_m1", y=pk.tensor(torch.zeros(rows, dtype=torch.bfloat16), "y"), w=W, x=X,
+                residual=pk.tensor(res16[:rows].contiguous(), "res"))
+        pk.task("gate_up_silu", h=pk.tensor(torch.zeros(rows, dtype=torch.bfloat16), "h"), w_gate=W,
+                w_up=pk.tensor(wu16[:rows].contiguous(), "wu"), x=X)
         pk.compile()
-        assert ("#define MEGART_PAIRS_FROM_HALF 1\n" in pk.source.text) == ("MEGART_PAIRS_FROM_HALF" in defines)
-        outs.append({kk: v.clone() for kk, v in dense_hostsim.run(pk, steps=1).items()})
-    assert geo.relerr(outs[0]["y"], geo.ref_gemv(w, x, residual=res)) < 1e-2
-    for o in outs[1:]:
-        assert torch.equal(o["y"], outs[0]["y"]) and torch.equal(o["h"], outs[0]["h"])
+        assert "constexpr int kWholePairsFrom = kWarps / 2 + 1;" in pk.source.text
+        return {kk: v.clone() for kk, v in dense_hostsim.run(pk, steps=1).items()}
+
+    for defines in (REGISTERS, STREAM("auto")):
+        few, eight = run(defines, n), run(defines, 16)
+        assert geo.relerr(few["y"], geo.ref_gemv(w16[:n], x, residual=res16[:n])) < 1e-2
+        assert torch.equal(few["y"], eight["y"][:n]) and torch.equal(few["h"], eight["h"][:n]), defines
+
 
 def test_weight_ring_sizing():
     """Off by default (the register engine: 33 KB); asked for, 3 slots of 8 KB per warp at 256 threads

@@ -149,13 +149,14 @@ def test_explicit_dependencies_cover_inferred(name):
 
 
 def test_timing_diagnostics_build_like_the_default():
-    """MEGART_DIAG_NO_WAIT's four bits (event waits, tagged polls, attention's K/V reads, the streamed dots:
-    timing aids that compute garbage on purpose) compile into the full-size 1B kernel without spills and with the default's
+    """MEGART_DIAG_NO_WAIT's seven bits (event waits, tagged polls, attention's K/V reads, the streamed dots,
+    the warp sums, attention's ordered arrival, the signals' release fence: timing aids that compute garbage or
+    drop an ordering on purpose) compile into the full-size 1B kernel without spills and with the default's
     weight stream, so their time compares with the default's."""
     m = llama.LlamaModel(llama.config("1b"), device="cpu", init="empty", nw=132, sm_count=132,
-                         defines={"MEGART_DIAG_NO_WAIT": 15})
+                         defines={"MEGART_DIAG_NO_WAIT": 127})
     assert m.pk.report.spill_bytes == 0 and m.pk.stream_layout().slots == 6 and m.pk.stream_declined is None
-    assert m.attn_ring_short and "#define MEGART_DIAG_NO_WAIT 15\n" in m.pk.source.text
+    assert m.attn_ring_short and "#define MEGART_DIAG_NO_WAIT 127\n" in m.pk.source.text
 
 
 @pytest.mark.parametrize("name", ["1b", "1b_32k", "1b_fp8", "1b_fp8_split", "1b_fp8_all", "block8b", "3b",
