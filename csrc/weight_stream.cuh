@@ -510,6 +510,8 @@ constexpr bool kCountInRegister = kProducerWarp && kFreeByBarrier && kEmptyArriv
 __device__ __forceinline__ unsigned stream_read_begin(int warp) { return s_stream.warp[warp].consumed; }
 __device__ __forceinline__ void stream_read_end(int warp, unsigned j) {
   if constexpr (kCountInRegister) {
+    __syncwarp();  // every lane has read the count (stream_read_begin) before lane 0 overwrites it: a warp
+                   // that had no stage has nothing else ordering its lanes (racecheck warned, 32 per instance)
     if ((threadIdx.x & 31) == 0) s_stream.warp[warp].consumed = j;
     __syncwarp();
   }
