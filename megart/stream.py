@@ -25,7 +25,6 @@ STATIC_BASE = 1088             # the worker's static shared memory other than th
 WARP_STATE_BYTES = 88          # per compute warp: its producer state (csrc/weight_stream.cuh WarpStream)
 KV_POS_STATIC = 16             # per warp, with attention's K/V on the stream: the pos its producer lane read
 BARRIER_BYTES = 16             # static, per compute warp and slot: its "full" and "empty" mbarriers
-ATTN_TAGGED_STATIC = 528       # and attention_decode's staged new row (its tagged form, or K/V on the stream)
 MAX_SLOTS = 8                  # past this the warps' stages already cover several us of HBM time
 DEFAULT_STAGE_CHUNKS = 128     # measured fastest on the Llama-1B step with 4 producer warps (bench/RESULTS.md)
 STAGE_CHUNKS = (64, 128, 256)  # 16-byte chunks per row in one stage (MEGART_STREAM_STAGE): smaller stages
@@ -121,12 +120,11 @@ def streams(t, cfg: KernelConfig, overrides: dict) -> bool:
 def static_reserve(cfg: KernelConfig, slots: int) -> int:
     """The static shared memory a kernel of `cfg` with `slots` ring slots per warp may use beside the dynamic
     (the ring is sized against it): the slots' mbarriers are static."""
-    tagged_attn, waits = macro_on(cfg, "MEGART_ATTN_TAGGED"), macro_on(cfg, "MEGART_STREAM_WAITS")
+    waits = macro_on(cfg, "MEGART_STREAM_WAITS")   # (attention's staged new row is dynamic: its smem_for)
     warps = cfg.threads // 32
     kv = kv_streamed(cfg)
     return (STATIC_BASE + (WARP_STATE_BYTES + BARRIER_BYTES * slots) * warps
-            + (ATTN_TAGGED_STATIC if tagged_attn or kv else 0)
-            + (warps * KV_POS_STATIC if kv else 0)   # (and the staged new row above)
+            + (warps * KV_POS_STATIC if kv else 0)
             + (warps * 16 if waits else 0))  # (the diagnostic's two stamps per warp)
 
 

@@ -45,7 +45,16 @@ MODE_PARTS = 64      # a tensor-parallel all-reduce folded into the x staging (p
 # qkv_rope_append runs on the dense matvec engine: its block scratch, x staged whole (bf16), then the
 # instance's 2 * npairs fp32 dots
 SMEM_QKV = DENSE_SCRATCH + 2 * QKV_MAX_D + 4 * QKV_MAX_ROWS
-SMEM_ATTN_MERGE = 4 * ATTN_STAGE_WARPS * ATTN_SUBGROUP * (max(ATTN_HD) + 2)   # [warp][group][hd + m, l]
+
+
+def merge_bytes(hd: int, width: int) -> int:
+    """attention_decode's merge scratch across warps for instances of `width` q heads of size hd:
+    [warp][group][hd + m, l] fp32."""
+    return 4 * ATTN_STAGE_WARPS * width * (hd + 2)
+
+
+SMEM_ATTN_MERGE = merge_bytes(max(ATTN_HD), ATTN_SUBGROUP)   # any shape
+NEW_ROW_BYTES = 2 * 16 * 16   # the staged new K and V row (hd <= 128: 16 vectors of 8 bf16 each)
 ATTENTION_HEADERS = ("tasks/attention_common.cuh",)
 # qkv_rope_append(_fp8): their shared body after the attention and dense headers it uses
 QKV_HEADERS = ATTENTION_HEADERS + DENSE_HEADERS + ("tasks/qkv_common.cuh",)
@@ -473,8 +482,42 @@ def body_defines(hd: int, group: int) -> dict:
     return {"MEGART_ATTN_HD_ONLY": hd, "MEGART_ATTN_GROUP_MASK": hex(mask)}
 
 
+def compiled_merge_bytes(cfg) -> int:
+    """The merge scratch of the bodies a kernel built with `cfg` compiles: its head size and widest instance
+    (MEGART_ATTN_HD_ONLY / MEGART_ATTN_GROUP_MASK, body_defines), else any shape."""
+    from ..config import caller_macros
+    macros = caller_macros(cfg)
+    hd = int(macros.get("MEGART_ATTN_HD_ONLY", max(ATTN_HD)))
+    mask = int(str(macros.get("MEGART_ATTN_GROUP_MASK", "0")), 0)
+    widths = [g for g in range(1, ATTN_SUBGROUP + 1) if mask >> g & 1]
+    return merge_bytes(hd, max(widths) if widths else ATTN_SUBGROUP)
+
+
+def stages_new_row(cfg) -> bool:
+    """Whether attention_decode stages a new K/V row in shared memory: its tagged form (q and the new rows as
+    tagged words), or K/V through the weight stream (row pos staged from the cache)."""
+    from ..config import kv_streamed, macro_on
+    return macro_on(cfg, "MEGART_ATTN_TAGGED") or kv_streamed(cfg)
+
+
+def new_row_offset(cfg) -> int:
+    """Where the staged new row lies in the instance's shared memory (MEGART_ATTN_NEW_ROW_OFFSET): past the K/V
+    ring, which it is copied into while the ring is read, and past the compiled merge scratch, which is written
+    once the row is dead."""
+    return -(-max(attn_ring_bytes(cfg), compiled_merge_bytes(cfg)) // 16) * 16
+
+
 def _attn_smem(cfg) -> int:
-    return max(SMEM_ATTN_MERGE, attn_ring_bytes(cfg))
+    # The merge scratch for any shape stays the floor: the default kernels' layout, as measured. The new row
+    # fits below it where the compiled shapes' merge is smaller than the ring's 32 KB (the 1B shape: 8,448 B).
+    smem = max(SMEM_ATTN_MERGE, attn_ring_bytes(cfg))
+    if stages_new_row(cfg):
+        smem = max(smem, new_row_offset(cfg) + NEW_ROW_BYTES)
+    return smem
+
+
+def _attn_defines(cfg) -> dict:
+    return {**ring_defines(cfg), "MEGART_ATTN_NEW_ROW_OFFSET": new_row_offset(cfg)}
 
 
 def _attn_macros(params) -> dict:
@@ -500,7 +543,7 @@ register(TaskType(
     source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS + ("tasks/attention_decode_blocks.cuh",),
     reference=_attn_fused_ref, split=_attn_split,
     stream=True, stream_format="kv",
-    cost=_attn_cost, smem_bytes=SMEM_ATTN, smem_for=_attn_smem, defines_for=ring_defines,
+    cost=_attn_cost, smem_bytes=SMEM_ATTN, smem_for=_attn_smem, defines_for=_attn_defines,
     macros_for=_attn_macros,
     doc="Flash-decoding partials (m, l, unnormalised o) of one query token over one KV chunk of one kv "
         "head (GQA), kv_len = pos + 1 read on the device; with out and arrivals (one i32 counter per kv head, "

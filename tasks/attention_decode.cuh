@@ -84,7 +84,7 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
 #pragma unroll
     for (int j = 0; j < RS - 1; ++j) issue(j);  // before q: the q and K/V round trips overlap
   }
-  if (tnew) poll_tagged_inputs<HD, G>(p, tpos);
+  if (tnew) poll_tagged_inputs<HD, G>(p, smem, tpos);
   float q[G][VEC], m[G], l[G], o[G][VEC];
   load_q<HD, G, VEC>(p, tnew, sub, q, m, l, o);
 
@@ -99,8 +99,8 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
       const unsigned d = ring + ((unsigned)j % RS) * (RU * 2 * VSTRIDE);
       if ((unsigned)(tsel - j * RU) < (unsigned)RU) {
         const int tu = tsel - j * RU;
-        st_shared16(d + (2 * tu) * VSTRIDE, s_new_row[0][sub]);
-        st_shared16(d + (2 * tu + 1) * VSTRIDE, s_new_row[1][sub]);
+        st_shared16(d + (2 * tu) * VSTRIDE, new_row(smem, 0)[sub]);
+        st_shared16(d + (2 * tu + 1) * VSTRIDE, new_row(smem, 1)[sub]);
       }
       KVec<VEC> kv[RU], vv[RU];
 #pragma unroll
@@ -120,8 +120,8 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
       for (int u = 0; u < U; ++u) {
         const int t = b + u * SLOTS + slot;
         if (t == tpos) {
-          kv[u] = new_row_kvec<VEC>(0, sub);
-          vv[u] = new_row_kvec<VEC>(1, sub);
+          kv[u] = new_row_kvec<VEC>(smem, 0, sub);
+          vv[u] = new_row_kvec<VEC>(smem, 1, sub);
         } else if (!kDiagNoKv && t < hi) {
           kv[u] = ld_kvec<VEC>(kb + (long long)t * HD);
           vv[u] = ld_kvec<VEC>(vb + (long long)t * HD);
@@ -367,13 +367,13 @@ __device__ __forceinline__ void attention_stream_body(const megart_params_attent
   const int slot_pos = warp * RPW + rw;
   const bool tnew = kAttnTagged && p.k_new != nullptr;
   const int fresh = pos >= lo && pos < hi ? pos : -1;  // row pos, written this step (hi <= kv_len: pos < max_seq)
-  if (tnew) poll_tagged_inputs<HD, G>(p, fresh);
+  if (tnew) poll_tagged_inputs<HD, G>(p, smem, fresh);
   float q[G][VEC], m[G], l[G], o[G][VEC];
   load_q<HD, G, VEC>(p, tnew, sub, q, m, l, o);
   if (!tnew && fresh >= 0) {  // qkv's store of row pos (this instance's wait made it visible), staged as the
     const long long row = (long long)fresh * HD;  // tagged form stages k_new / v_new: its loads overlap q's
-    stage_new_row<HD>([&](int i) { return ld_in16(p.k_cache + row + i); },  // (uniform over the CTA)
-                      [&](int i) { return ld_in16(p.v_cache + row + i); });
+    stage_new_row<HD>(smem, [&](int i) { return ld_in16(p.k_cache + row + i); },  // (uniform over the CTA)
+                            [&](int i) { return ld_in16(p.v_cache + row + i); });
     __syncthreads();
   }
   unsigned j = megart::stream_read_begin(warp);
@@ -386,8 +386,8 @@ __device__ __forceinline__ void attention_stream_body(const megart_params_attent
       for (int u = 0; u < RU; ++u) {
         const int kk = i * RU + u, t = lo + (k0 + kk) * SLOTS + slot_pos;
         if (t == fresh) {  // (staged above: the streamed copy of row pos may predate qkv's store)
-          kv[u] = new_row_kvec<VEC>(0, sub);
-          vv[u] = new_row_kvec<VEC>(1, sub);
+          kv[u] = new_row_kvec<VEC>(smem, 0, sub);
+          vv[u] = new_row_kvec<VEC>(smem, 1, sub);
         } else if (t < hi) {
           const uint4* r = reinterpret_cast<const uint4*>(stage + ((kk * RPW + rw) * HD + sub * VEC) * 2);
           const uint4 a = r[0], c = r[megart::kStreamSlotBytes / 2 / 16];

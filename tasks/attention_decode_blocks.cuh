@@ -128,12 +128,22 @@ constexpr bool kAttnTagged = MEGART_ATTN_TAGGED != 0;
 #endif
 constexpr bool kAttnUnstamped = MEGART_ATTN_UNSTAMPED != 0;
 
-// The tagged form's new K (kv = 0) and V (kv = 1) row of the instance's kv head, bf16, staged from k_new /
-// v_new by attention_decode_body (hd <= 128: 16 vectors of 8); new_row_kvec reads lane sub's VEC values.
-__shared__ uint4 s_new_row[2][16];
+// The new K (kv = 0) and V (kv = 1) row of the instance's kv head, bf16 (hd <= 128: 16 vectors of 8), staged
+// in the instance's shared memory at MEGART_ATTN_NEW_ROW_OFFSET: past the K/V ring and the merge scratch of
+// the compiled shapes, so it is neither overwritten while the ring is read nor live when the merge writes
+// (tasks/attention.py new_row_offset; a static array here cost the weight stream its sixth slot per warp).
+// new_row_kvec reads lane sub's VEC values.
+#ifndef MEGART_ATTN_NEW_ROW_OFFSET
+#error "attention_decode needs MEGART_ATTN_NEW_ROW_OFFSET from tasks/attention.py (the type's defines_for)"
+#endif
+constexpr int kNewRowOffset = MEGART_ATTN_NEW_ROW_OFFSET;
+static_assert(kNewRowOffset % 16 == 0, "the staged new row is read as 16-byte vectors");
+__device__ __forceinline__ uint4* new_row(char* smem, int kv) {
+  return reinterpret_cast<uint4*>(smem + kNewRowOffset) + kv * 16;
+}
 template <int VEC>
-__device__ __forceinline__ KVec<VEC> new_row_kvec(int kv, int sub) {
-  const unsigned* w = reinterpret_cast<const unsigned*>(s_new_row[kv]) + sub * (VEC / 2);
+__device__ __forceinline__ KVec<VEC> new_row_kvec(char* smem, int kv, int sub) {
+  const unsigned* w = reinterpret_cast<const unsigned*>(new_row(smem, kv)) + sub * (VEC / 2);
   KVec<VEC> r;
 #pragma unroll
   for (int k = 0; k < VEC / 2; ++k) r.u[k] = w[k];
@@ -256,13 +266,13 @@ __device__ __forceinline__ void merge_if_last(const P& p, char* smem) {
   }
 }
 
-// The new row into s_new_row: element i.. of K (from thread i / 8) and of V (the next HD / 8 threads), each
-// 8 bf16 from its loader (load_k(i), load_v(i)). No barrier: the caller's comes after.
+// The new row into new_row(smem, .): element i.. of K (from thread i / 8) and of V (the next HD / 8 threads),
+// each 8 bf16 from its loader (load_k(i), load_v(i)). No barrier: the caller's comes after.
 template <int HD, class LoadK, class LoadV>
-__device__ __forceinline__ void stage_new_row(LoadK load_k, LoadV load_v) {
+__device__ __forceinline__ void stage_new_row(char* smem, LoadK load_k, LoadV load_v) {
   const int tid = threadIdx.x;
-  if (tid < HD / 8) s_new_row[0][tid] = load_k(8 * tid);
-  else if (tid < HD / 4) s_new_row[1][tid - HD / 8] = load_v(8 * (tid - HD / 8));
+  if (tid < HD / 8) new_row(smem, 0)[tid] = load_k(8 * tid);
+  else if (tid < HD / 4) new_row(smem, 1)[tid - HD / 8] = load_v(8 * (tid - HD / 8));
 }
 
 // The tagged form polls before q and the softmax state are live (a spin beside them spilled): the CTA's
@@ -270,14 +280,14 @@ __device__ __forceinline__ void stage_new_row(LoadK load_k, LoadV load_v) {
 // row (tpos >= 0: this chunk holds position pos). After the barrier each thread reads its q words as plain
 // values: a word is final once tagged.
 template <int HD, int G, class P>
-__device__ __forceinline__ void poll_tagged_inputs(const P& p, int tpos) {
+__device__ __forceinline__ void poll_tagged_inputs(const P& p, char* smem, int tpos) {
   constexpr int NT = MEGART_THREADS;
   const int tid = threadIdx.x;
 #pragma unroll 1
   for (int c = tid; c < G * HD / 8; c += NT) (void)megart::ld_tagged8(p.q, 8 * c);
   if (tpos >= 0)
-    stage_new_row<HD>([&](int i) { return megart::ld_tagged8(p.k_new, i); },
-                      [&](int i) { return megart::ld_tagged8(p.v_new, i); });
+    stage_new_row<HD>(smem, [&](int i) { return megart::ld_tagged8(p.k_new, i); },
+                            [&](int i) { return megart::ld_tagged8(p.v_new, i); });
   __syncthreads();
 }
 
