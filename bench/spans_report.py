@@ -16,7 +16,9 @@ Two tables, medians over the profiled steps after the first:
   layers. Where the last instance does more than the others (attention's: the chunk that arrives last also
   merges the head's partials), their difference is what that extra work costs the chain;
 * each call's instances in six index bands: body and end after the call's last end per band (instances
-  dealt a row pair less, or taking another code path, end apart from the rest).
+  dealt a row pair less, or taking another code path, end apart from the rest);
+* with the phase marks (`--phases` records): a layer's chain event by event, each call's wait start, body
+  begin, marks and end (min / median / max over its instances) after the layer's first call's last end.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ from megart.layout import SPAN  # noqa: E402
 
 WORKER, WAIT, BEGIN, END, STEP, INSTANCE = (SPAN[k] for k in ("worker", "wait_start", "body_begin", "body_end",
                                                                 "step", "instance"))
+MARK0, MARK1 = SPAN["mark0"], SPAN["mark1"]
+# An instance's events in order: the phase marks are stamped only by MEGART_PHASE_MARKS builds (0 otherwise).
+EVENTS = (("wait starts", WAIT), ("body begins", BEGIN), ("mark 0", MARK0), ("mark 1", MARK1), ("end", END))
 
 
 def call_kind(label: str) -> str:
@@ -155,6 +160,31 @@ def by_instance(records, call_of, labels, step, bands: int = 6) -> dict:
                 for _, v in sorted(bs.items())] for k, bs in rows.items()}
 
 
+def chain(records, call_of, labels, step) -> dict:
+    """A layer's chain event by event: per (call kind, event) of the middle layers "L<n>.", (min, median, max)
+    over the call's instances of the event's time in us after the last end of the layer's first call (qkv in
+    the models), medians over the layers. Events: wait start, body begin, the two phase marks where the build
+    stamped them (bench/stream_bench.py --phases: attention's "K/V attended" and "partials stored, arrival
+    counted", a GEMV's "x staged" and "dots done"), body end."""
+    mid = _layers(labels)[1]
+    r, ci = _step_rows(records, call_of, step)
+    rows: dict = {}
+    for n in mid:
+        calls = [i for i, lb in enumerate(labels) if _layer(lb) == n]
+        head = r[ci == calls[0]] if calls else r[:0]
+        if not len(head):
+            continue
+        t0 = head[:, END].max()
+        for i in calls:
+            x = r[ci == i]
+            for name, col in EVENTS:
+                v = x[:, col][x[:, col] > 0]
+                if len(v):
+                    rows.setdefault((call_kind(labels[i]), name), []).append(
+                        np.percentile((v - t0) / 1e3, [0, 50, 100]))
+    return {k: tuple(float(t) for t in np.median(np.array(v), axis=0)) for k, v in rows.items()}
+
+
 def _median_of(dicts: list) -> dict:
     out = {k: float(np.median([d[k] for d in dicts])) for k in dicts[0] if k != "kinds"}
     out["kinds"] = {k: tuple(float(np.median([d["kinds"][k][j] for d in dicts])) for j in (0, 1))
@@ -191,6 +221,11 @@ def report(path, layer: int = 1) -> str:
         lines.append(f"  each call's instances in index bands, step {mid} (medians over the middle layers): "
                      "first-last index: body us / end us after the call's last end")
         lines += [f"  {k:14s} " + "  ".join(f"{a}-{b}: {bd:.2f} / {e:.2f}" for a, b, bd, e in v) for k, v in bi.items()]
+    ch = chain(records, call_of, labels, mid)
+    if any(ev.startswith("mark") for _, ev in ch):
+        lines.append(f"  a layer's chain, step {mid} (us after the layer's first call's last end, medians over the "
+                     "middle layers): min / median / max over a call's instances")
+        lines += [f"  {k:14s} {ev:12s} {a:7.2f} {m:7.2f} {b:7.2f}" for (k, ev), (a, m, b) in ch.items()]
     return "\n".join(lines)
 
 

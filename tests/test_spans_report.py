@@ -10,11 +10,11 @@ from megart.layout import SPAN, SPAN_WORDS  # noqa: E402
 
 
 def _records(rows):
-    """rows: (step, instance uid, worker, wait_start, body_begin, body_end), times in ns."""
+    """rows: (step, instance uid, worker, wait_start, body_begin, body_end[, mark0, mark1]), times in ns."""
     r = np.zeros((len(rows), SPAN_WORDS), dtype=np.int64)
-    for i, (st, uid, w, ws, bb, be) in enumerate(rows):
-        r[i, [SPAN["step"], SPAN["instance"], SPAN["worker"], SPAN["wait_start"], SPAN["body_begin"],
-              SPAN["body_end"]]] = st, uid, w, ws, bb, be
+    for i, row in enumerate(rows):
+        cols = ["step", "instance", "worker", "wait_start", "body_begin", "body_end", "mark0", "mark1"][:len(row)]
+        r[i, [SPAN[c] for c in cols]] = row
     return r
 
 
@@ -92,3 +92,32 @@ def test_instance_bands_show_the_instances_that_end_apart(tmp_path):
     bands = spans_report.by_instance(rec, co, lb, 1, bands=3)
     assert bands == {"o": [(0, 1, 2.0, -1.0), (2, 3, 2.0, -1.0), (4, 5, 3.0, 0.0)]}
     assert "3-3: 2.00 / -1.00  4-4: 3.00 / 0.00" in spans_report.report(path, layer=1)   # (6 bands)
+
+
+def test_chain_gives_each_calls_events_after_the_layers_first_call(tmp_path):
+    """Three layers of qkv (2 instances) and attn (2 instances, phase-marked): in the middle layer, qkv's last end
+    is at 5 us; attn's instances wait from 5.5 and 6, begin at 6 and 7, attend by 7 and 9, arrive at 8 and 10
+    and end at 8 and 12 us (the second merges). Unmarked calls have no mark rows; the report prints the table
+    only for marked records."""
+    labels = ["L0.qkv", "L0.attn", "L1.qkv", "L1.attn", "L2.qkv", "L2.attn"]
+    call_of = np.repeat(np.arange(6), 2)
+    rows = []
+    for layer in range(3):
+        b = 20000 * layer
+        rows += [(1, 4 * layer, 0, b + 500, b + 1000, b + 4000), (1, 4 * layer + 1, 1, b + 500, b + 1000, b + 5000)]
+        rows += [(1, 4 * layer + 2, 0, b + 5500, b + 6000, b + 8000, b + 7000, b + 8000),
+                 (1, 4 * layer + 3, 1, b + 6000, b + 7000, b + 12000, b + 9000, b + 10000)]
+    path = tmp_path / "c.npz"
+    np.savez_compressed(path, records=_records(rows), call_of=call_of, labels=np.array(labels))
+    rec, co, lb = spans_report.load(path)
+    ch = spans_report.chain(rec, co, lb, 1)
+    assert np.allclose(ch[("qkv", "end")], (-1.0, -0.5, 0.0))
+    assert ("qkv", "mark 0") not in ch
+    assert np.allclose(ch[("attn", "wait starts")], (0.5, 0.75, 1.0))
+    assert np.allclose(ch[("attn", "body begins")], (1.0, 1.5, 2.0))
+    assert np.allclose(ch[("attn", "mark 0")], (2.0, 3.0, 4.0)) and np.allclose(ch[("attn", "mark 1")], (3.0, 4.0, 5.0))
+    assert np.allclose(ch[("attn", "end")], (3.0, 5.0, 7.0))
+    assert "a layer's chain" in spans_report.report(path, layer=1)
+    plain = tmp_path / "p.npz"
+    np.savez_compressed(plain, records=_records([r[:6] for r in rows]), call_of=call_of, labels=np.array(labels))
+    assert "a layer's chain" not in spans_report.report(plain, layer=1)
