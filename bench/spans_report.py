@@ -170,8 +170,8 @@ def chain(records, call_of, labels, step) -> dict:
     r, ci = _step_rows(records, call_of, step)
     rows: dict = {}
     for n in mid:
-        calls = [i for i, lb in enumerate(labels) if _layer(lb) == n]
-        head = r[ci == calls[0]] if calls else r[:0]
+        calls = [i for i, lb in enumerate(labels) if _layer(lb) == n]   # (n is a layer of the labels: not empty)
+        head = r[ci == calls[0]]
         if not len(head):
             continue
         t0 = head[:, END].max()
