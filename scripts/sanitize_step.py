@@ -19,16 +19,19 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="layers (default: the config's)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--defines", default="", help="kernel macros, NAME=VALUE,...")
+    ap.add_argument("--tagged-attn", action="store_true",
+                    help="the tagged qkv -> attention edge (LlamaModel(tagged_attn=True), off by default)")
     args = ap.parse_args(argv)
     cfg = llama.config(args.config)
     if args.layers:
         cfg = dataclasses.replace(cfg, layers=args.layers)
     defines = dict(x.split("=", 1) for x in args.defines.split(",") if x)
-    m = llama.LlamaModel(cfg, device="cuda", defines=defines, watchdog_s=60)
+    m = llama.LlamaModel(cfg, device="cuda", defines=defines, watchdog_s=60, tagged_attn=args.tagged_attn)
     for _ in range(args.steps):
         m.step()
     m.sync()
-    print(f"sanitize_step: {cfg.name} {cfg.layers} layers, {args.steps} steps, defines {defines}: ok, "
+    print(f"sanitize_step: {cfg.name} {cfg.layers} layers, {args.steps} steps, defines {defines}, "
+          f"tagged_attn {args.tagged_attn}: ok, "
           f"stream slots {m.pk.stream_layout().slots}")
     return 0
 
