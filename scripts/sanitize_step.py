@@ -7,7 +7,6 @@ import dataclasses
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megart.models import llama  # noqa: E402
 
