@@ -164,9 +164,11 @@ def test_hostsim_catches_a_divergent_barrier(tmp_path, engine):
 
 
 # ---- the weight ring and the weight stream (TMA-fed shared-memory stages) against the register engine ----
+# (each engine is a device and a host build, ~25 s of CI: a small stage size is covered once, with "auto", and the
+# register engine below 8 warps once, at 3)
 ENGINES = [(256, REGISTERS), (256, RING(3)), (256, STREAM(1)), (256, STREAM("auto")),
-           (256, STREAM("auto") | {"MEGART_STREAM_STAGE": 128}), (256, STREAM(5) | {"MEGART_STREAM_STAGE": 64}),
-           (128, REGISTERS), (128, STREAM(4)), (96, REGISTERS), (96, RING(3)), (96, STREAM(2))]
+           (256, STREAM("auto") | {"MEGART_STREAM_STAGE": 128}), (128, STREAM(4)), (96, REGISTERS), (96, RING(3)),
+           (96, STREAM(2))]
 
 
 @pytest.mark.parametrize("n,k,tiles,nw", [
