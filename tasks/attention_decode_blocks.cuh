@@ -8,7 +8,7 @@
 #define MEGART_TASKS_ATTENTION_DECODE_BLOCKS_CUH
 
 namespace megart_attn {
-// kAttnStageWarps: warps merged per shared-memory round (generated from tasks/attention.py)
+// kAttnStageWarps: warps merged per shared-memory round (generated from tasks/attention_common.py)
 // K/V ring per CTA, set by tasks/attention_ring.py (attn_ring_bytes; 0: the register path for every group).
 #ifndef MEGART_ATTN_RING_BYTES
 #define MEGART_ATTN_RING_BYTES 0

@@ -20,7 +20,7 @@
 #define MEGART_TASKS_QKV_COMMON_CUH
 
 namespace megart_attn {
-// kQkvMaxRows (2 * half; hd <= 128), kQkvMaxD and the kMode* bits: generated from tasks/attention.py
+// kQkvMaxRows (2 * half; hd <= 128), kQkvMaxD and the kMode* bits: generated from tasks/attention_common.py
 
 // Pair j of the instance: rows j and half + j after w.
 struct QkvRows {

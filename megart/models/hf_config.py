@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..tasks.attention import ATTN_HD, ATTN_MAX_GROUP, QKV_MAX_D
+from ..tasks.attention_common import ATTN_HD, ATTN_MAX_GROUP, QKV_MAX_D
 from ..tasks.dense_common import MAX_K
 from .llama_config import LlamaConfig
 

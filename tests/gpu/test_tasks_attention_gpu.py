@@ -13,7 +13,8 @@ from megart.geometry.attention import attention_m1, ref_attention_decode, ref_qk
 from megart.geometry.attention import chunk_range
 
 import test_tasks_attention as cpu
-from test_tasks_attention import SHAPES, TOL_ATTN, TOL_QKV, build_attention, build_qkv, build_qkv_fp8, check
+from test_tasks_attention import SHAPES, TOL_ATTN, TOL_QKV, build_attention, build_qkv, check
+from test_tasks_qkv import build_qkv_fold, build_qkv_fp8
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +60,7 @@ def test_qkv_folded_all_reduce_gpu(cuda, pos):
     runs = {}
     for how in ("folded", "summed"):
         pk = megart.PersistentKernel(nw=sms())
-        t, total, _ = cpu.build_qkv_fold(pk, how, pos, dev="cuda")
+        t, total, _ = build_qkv_fold(pk, how, pos, dev="cuda")
         compiled(pk)
         pk()
         runs[how] = {n: x.data.cpu() for n, x in t.items()}
