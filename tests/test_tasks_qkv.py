@@ -11,9 +11,10 @@ import torch
 import megart
 from megart.errors import GraphError
 from megart.geometry.attention import attention_m1, qkv_m1, ref_attention_decode, ref_qkv_rope_append, rope_tables
-from test_tasks_attention import _one_thread  # noqa: F401  (the autouse fixture there: one torch thread here too)
 from test_tasks_attention import (NW, SHAPES, THETA, TOL_ATTN, TOL_QKV, build_attention, build_qkv, check, compiled,
                                   rel)
+
+pytestmark = pytest.mark.usefixtures("cpu_settings")   # (one torch thread for the emulator)
 
 
 @pytest.mark.parametrize("hd", [64, 128])
