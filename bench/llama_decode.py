@@ -22,6 +22,10 @@ Per config, on seeded random weights with a prefilled KV cache:
               with the reason, if it fails or runs out of time; only the first config by default);
 * megart    = LlamaModel.step(): one launch per step, back to back, CUDA events around each launch;
               us/step is the median over --steps steps (after a warm-up), tok/s = 1e6 / us, x floor;
+* b2b       = back to back: runs of up to 100 steps (graph replays for "graphed") with CUDA events around each
+              whole run only, us/step = run time / steps, the median of 7 runs. An event between two launches
+              keeps a launch from overlapping the previous step's end (LlamaModel.overlap_steps), so only this
+              figure shows what a decode loop (generate()) gets from it;
 * breakdown = a second build with the in-kernel profiler: pk.profile().table() per task type, the
               per-call-kind breakdown (wall / slowCTA / sumCTA / wait, summed over layers), and a PNG
               timeline of one step (megart.trace.plot_timeline) and of its calls, layer 0 zoomed, with body vs
@@ -88,6 +92,33 @@ class Timer:
             b.record()
         self.sync()
         return [a.elapsed_time(b) * 1e3 for a, b in ev]
+
+    def runs(self, fn, n: int, runs: int, warmup: int = 3, before=None) -> list[float]:
+        """Per-step us of `runs` runs of `n` calls back to back, CUDA events around each whole run only, so no
+        event sits between two launches (an overlapped launch overlaps only its stream neighbour)."""
+        out = []
+        for _ in range(runs):
+            if before:
+                before()
+            for _ in range(warmup):
+                fn()
+            self.sync()
+            if before:
+                before()
+            if not self.gpu:
+                t = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                out.append((time.perf_counter() - t) * 1e6 / n)
+                continue
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(n):
+                fn()
+            b.record()
+            self.sync()
+            out.append(a.elapsed_time(b) * 1e3 / n)
+        return out
 
     def sync(self):
         if self.gpu:
@@ -162,8 +193,9 @@ def time_graphed(ts: TorchStep, timer, n) -> list[float]:
         ts()
     room = ts.cfg.max_seq - ts.cfg.prefill
     out = run_chunked(timer, g.replay, n, room, ts.reset)
+    runs = timer.runs(g.replay, min(n, room - 5, 100), 7, warmup=5, before=ts.reset)
     del g
-    return out
+    return out, runs
 
 
 def compile_worker(cfg_name: str, mode: str, steps: int) -> None:
@@ -214,6 +246,13 @@ def time_megart(m, timer, n) -> list[float]:
     return run_chunked(timer, m.step, n, room, lambda: m.reset(m.cfg.prefill, tok), warmup=5)
 
 
+def time_megart_runs(m, timer, n, runs=7) -> list[float]:
+    """Per-step us of runs of n steps back to back (events around each run; see Timer.runs)."""
+    room = m.cfg.max_seq - m.cfg.prefill
+    tok = None if m.cfg.block else 3
+    return timer.runs(m.step, min(n, room - 5), runs, warmup=5, before=lambda: m.reset(m.cfg.prefill, tok))
+
+
 def check_once(cfg, m, W, prefix) -> float:
     """One step from the prefix against the reference (a sanity figure; the gates are in the tests)."""
     ref = Reference(cfg, W, prefix)
@@ -225,9 +264,10 @@ def check_once(cfg, m, W, prefix) -> float:
     return llama.relerr(out, ref.step(inp, cfg.prefill))
 
 
-def profiled_steps(cfg, W, kv, nw, steps: int, defines: dict | None = None, **model_kw):
+def profiled_steps(cfg, W, kv, nw, steps: int, defines: dict | None = None, overlap: bool = True, **model_kw):
     """A profiled build run for `steps` steps after 3 warm-up steps: (model, its Profile)."""
     m = llama.LlamaModel(cfg, W, kv, nw=nw, profile=True, profile_steps=steps, defines=defines, **model_kw)
+    m.overlap_steps = overlap
     m.reset(cfg.prefill, None if cfg.block else 3)
     for _ in range(3):
         m.step()
@@ -292,8 +332,9 @@ def bench_config(name: str, args, bw: float, device, out_dir: Path, compile_left
     log(f"[{name}] eager {res['eager_us']:.0f} us/step{where}")
     if device.type == "cuda":
         try:
-            res["graphed_us"] = median(time_graphed(ts, timer, args.steps))
-            log(f"[{name}] CUDA-graphed {res['graphed_us']:.0f} us/step")
+            per_launch, runs = time_graphed(ts, timer, args.steps)
+            res["graphed_us"], res["graphed_run_us"] = median(per_launch), median(runs)
+            log(f"[{name}] CUDA-graphed {res['graphed_us']:.0f} us/step ({res['graphed_run_us']:.0f} back to back)")
         except Exception as exc:
             res["graphed_us"] = float("nan")
             res["graphed_error"] = f"{type(exc).__name__}: {exc}"
@@ -328,6 +369,10 @@ def bench_config(name: str, args, bw: float, device, out_dir: Path, compile_left
     n = args.steps if device.type == "cuda" else 2
     us = time_megart(m, timer, n)
     m.sync()
+    # back to back (no event between two launches, so each launch overlaps the previous step's end)
+    res["megart_run_us"] = median(time_megart_runs(m, timer, min(n, 100), 7 if device.type == "cuda" else 1))
+    res["x_floor_run"] = res["megart_run_us"] / res["floor_us"]
+    m.sync()
     res["megart_us"] = median(us)
     res["megart_us_min"] = min(us)
     res["megart_us_p90"] = sorted(us)[int(0.9 * (len(us) - 1))]
@@ -337,7 +382,8 @@ def bench_config(name: str, args, bw: float, device, out_dir: Path, compile_left
     g = res.get("graphed_us", float("nan"))
     res["vs_graphed"] = g / res["megart_us"] if g == g else None      # > 1: megart is faster
     if device.type == "cuda":
-        log(f"[{name}] megart {res['megart_us']:.1f} us/step, {res['x_floor']:.3f} x floor")
+        log(f"[{name}] megart {res['megart_us']:.1f} us/step, {res['x_floor']:.3f} x floor; back to back "
+            f"{res['megart_run_us']:.1f} us/step, {res['x_floor_run']:.3f} x floor")
     else:
         log(f"[{name}] megart EMULATED on the CPU: {res['megart_us']:.1f} us per emulated step (not a GPU timing)")
     res["timing"] = "gpu" if device.type == "cuda" else "cpu-emulated"
@@ -391,13 +437,14 @@ def timing_label(device) -> str:
 def summary(results: list, bw: float, bw_how: str, device="cuda") -> str:
     f = lambda v, p=0: "-" if v is None or v != v else f"{v:,.{p}f}"  # noqa: E731
     head = ("config", "floor us", "eager", "graphed", "compiled", "megart us", "tok/s", "x floor", "vs graph",
-            "relerr")
+            "b2b graphed", "b2b megart", "b2b x floor", "relerr")
     rows = []
     for r in results:
         g = r.get("graphed_us", float("nan"))
         rows.append((r["config"], f(r["floor_us"]), f(r["eager_us"]), f(g), f(r.get("compiled_us")),
                      f(r["megart_us"], 1), f(r["tok_s"]), f(r["x_floor"], 3),
-                     f(g / r["megart_us"], 2) + "x" if g == g else "-", f"{r['relerr_first_step']:.4f}"))
+                     f(g / r["megart_us"], 2) + "x" if g == g else "-", f(r.get("graphed_run_us")),
+                     f(r.get("megart_run_us"), 1), f(r.get("x_floor_run"), 3), f"{r['relerr_first_step']:.4f}"))
     widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head))]
     fmt = lambda r: "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])  # noqa
     lines = [f"HBM read bandwidth {bw / 1e12:.3f} TB/s ({bw_how}); floor = bytes/step / bandwidth; "

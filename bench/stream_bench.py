@@ -37,7 +37,8 @@ for p in (ROOT, ROOT / "bench"):
         sys.path.insert(0, str(p))
 
 import spans_report  # noqa: E402
-from llama_decode import Timer, check_once, hbm_bandwidth, log, median, profiled_steps, time_megart  # noqa: E402
+from llama_decode import (Timer, check_once, hbm_bandwidth, log, median, profiled_steps, time_megart,  # noqa: E402
+                          time_megart_runs)
 from megart.models import llama  # noqa: E402
 from megart.models.llama_config import clone_kv  # noqa: E402
 
@@ -54,8 +55,8 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-MODEL_OPTIONS = ("deps", "attn_merge", "attn_chunks", "tagged", "tagged_attn", "threads")   # attn_chunks: the model's
-#                                                                                           tiles["attn_chunks"]
+# attn_chunks: the model's tiles["attn_chunks"]; overlap=0: LlamaModel.overlap_steps off (each launch waits for the last)
+MODEL_OPTIONS = ("deps", "attn_merge", "attn_chunks", "tagged", "tagged_attn", "threads", "overlap")
 TILES_PREFIX = "tiles_"   # tiles_<call>=N: the model's tiles[<call>] (llama.default_tiles' keys, e.g. tiles_o=128)
 
 
@@ -75,7 +76,7 @@ def split_variant(variant: dict) -> tuple[dict, dict]:
         tiles["attn_chunks"] = int(model.pop("attn_chunks"))
     if tiles:
         model["tiles"] = tiles
-    for k in ("tagged", "tagged_attn"):   # tagged=1 / tagged_attn=0: the model's tagged vectors (megart/tagged.py)
+    for k in ("tagged", "tagged_attn", "overlap"):   # tagged=1 / tagged_attn=0: the model's tagged vectors (megart/tagged.py)
         if k in model:
             model[k] = model[k] not in ("0", "false", "False")
     return {k: v for k, v in variant.items() if k.startswith("MEGART_")}, model
@@ -121,8 +122,10 @@ def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = Non
 def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Path | None = None,
                 phases: bool = False, waits: bool = False) -> dict:
     defines, model_kw = split_variant(variant)
+    overlap = model_kw.pop("overlap", True)
     timer = Timer(torch.device("cuda"))
     m = llama.LlamaModel(cfg, W, clone_kv(prefix), nw=nw, defines=defines, **model_kw)
+    m.overlap_steps = overlap
     lay = m.pk.stream_layout()
     rec = dict(defines=defines, model=model_kw, registers=m.pk.report.registers, spill_bytes=m.pk.report.spill_bytes,
                smem_bytes=m.pk.smem_bytes(), stream_slots=lay.slots, stream_types=list(lay.types))
@@ -130,6 +133,8 @@ def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Pat
     us = time_megart(m, timer, steps)
     m.sync()
     rec["megart_us"] = median(us)
+    rec["megart_run_us"] = median(time_megart_runs(m, timer, min(steps, 100)))   # (no event between launches)
+    m.sync()
     rec["floor_us"] = cfg.bytes_per_step(cfg.prefill + steps // 2) / bw * 1e6
     rec["x_floor"] = rec["megart_us"] / rec["floor_us"]
     del m
@@ -137,7 +142,7 @@ def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Pat
         marks = ({"MEGART_PHASE_MARKS": defines.get("MEGART_PHASE_MARKS", 1)} if phases
                  else {"MEGART_STREAM_WAITS": 1} if waits else {})
         rec["calls"], rec["profiled_step_wall_us"], rec["stream_waits"] = profile_calls(
-            cfg, W, prefix, nw, {**defines, **marks}, spans=spans, model_kw=model_kw)
+            cfg, W, prefix, nw, {**defines, **marks}, spans=spans, model_kw={**model_kw, "overlap": overlap})
     torch.cuda.empty_cache()
     return rec
 
@@ -203,7 +208,8 @@ def main(argv=None) -> int:
                 continue
             rec["config"] = name
             out["results"].append(rec)
-            log(f"[{name}] {v or 'default'}: {rec['megart_us']:.1f} us/step, {rec['x_floor']:.3f} x floor "
+            log(f"[{name}] {v or 'default'}: {rec['megart_us']:.1f} us/step ({rec['megart_run_us']:.1f} in runs "
+                f"of back-to-back steps), {rec['x_floor']:.3f} x floor "
                 f"(floor {rec['floor_us']:.0f}), relerr {rec['relerr_first_step']:.4f}, stream slots "
                 f"{rec['stream_slots']}, {rec['registers']} regs")
             log(calls_text(rec, args.phases))

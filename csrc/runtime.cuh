@@ -61,6 +61,14 @@ constexpr bool kWarpSpreadMarks = false;
 __device__ __forceinline__ void span_mark(int) {}
 #endif
 
+// Overlapped step launches (programmatic dependent launch: the host launches a step with
+// programmatic_stream_serialization, megart/launch.py). Every CTA allows the next launch at its start, so the
+// next step's CTAs take each SM this step's CTAs leave; they run until grid_dependency_wait(), which returns
+// once the previous grid has ended and its writes are visible. What may run before it reads only what no
+// step writes: the descriptors and the weights. In a launch without the attribute both are no-ops.
+__device__ __forceinline__ void grid_allow_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 __device__ __forceinline__ unsigned smid() {
   unsigned r;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(r));

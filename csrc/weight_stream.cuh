@@ -366,6 +366,7 @@ __device__ __forceinline__ void stream_begin(const TaskDesc* descs, int q0, int 
     s_stream.watchdog_ns = watchdog_ns;
 #if defined(MEGART_STREAM_KV) && MEGART_STREAM_KV != 0
 #ifdef __CUDA_ARCH__
+    grid_dependency_wait();  // (an overlapped launch: the previous step has published its count)
     s_stream.gen = ld_relaxed(ctrl + kCtrl_step) + 1;  // (as the worker loop's generation)
 #else
     s_stream.gen = 0;  // (the host simulation's step tag is s_poll's)

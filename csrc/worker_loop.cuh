@@ -64,6 +64,9 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
   __shared__ long long s_gen;
   __shared__ int s_go;
   __shared__ TaskDesc s_desc[3];
+  if (q0 < q1) stage_words(s_desc[0], descs[q0]);  // (descriptors: no step writes them)
+  if (q0 + 1 < q1) stage_words(s_desc[1], descs[q0 + 1]);
+  grid_dependency_wait();  // an overlapped launch: the previous step has ended (ctrl, events, activations)
   if (threadIdx.x == 0) {
     s_gen = ld_relaxed(ctrl + kCtrl_step) + 1;
     s_poll.ctrl = ctrl;  // (polled reads of tagged words: csrc/tagged.cuh)
@@ -71,8 +74,6 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
     s_poll.worker = w;
     s_poll.tag = step_tag_bits(s_gen);
   }
-  if (q0 < q1) stage_words(s_desc[0], descs[q0]);
-  if (q0 + 1 < q1) stage_words(s_desc[1], descs[q0 + 1]);
   __syncthreads();
   const long long gen = s_gen;
 #ifdef MEGART_PROFILE
@@ -175,11 +176,13 @@ __device__ __forceinline__ void worker(const TaskDesc* __restrict__ descs, const
                                        char* smem) {
   const int w = blockIdx.x;
   const int q0 = queue_start[w], q1 = queue_start[w + 1];
+  grid_allow_dependents();  // the next step may take this SM once this CTA exits (an overlapped launch only)
 #if MEGART_STREAM_SLOTS > 0
   stream_begin(descs, q0, q1, w, ctrl, watchdog_ns, smem);  // every thread (barrier 0)
   // One if/else with a role per branch, so that the register hand-over (setmaxnreg) takes effect. No
   // barrier after it: the producer waits for its own copies to land before its threads exit, so none
-  // outlives the CTA.
+  // outlives the CTA. In an overlapped launch the producer streams the first weights while the previous
+  // step still runs; the compute threads wait for it to end (compute: grid_dependency_wait).
   if (kProducerWarp && threadIdx.x >= MEGART_THREADS) {
     stream_producer_role();
   } else {

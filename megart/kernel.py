@@ -80,6 +80,7 @@ class PersistentKernel:
         self.source = None
         self.occupancy: occupancy.Occupancy | None = None
         self._rt = None
+        self._overlap_ok = False   # a launch may overlap only one of this kernel's own (order_next_launch)
 
     # --- graph building (delegates to Graph, refused once compiled) -------------------------------
     def _building(self):
@@ -204,10 +205,19 @@ class PersistentKernel:
 
     # --- run ----------------------------------------------------------------------------------------
     @ranged("megart.launch")
-    def launch(self) -> None:
-        """Enqueue one step on the current torch stream and return at once (no error check)."""
+    def launch(self, overlap: bool = False) -> None:
+        """Enqueue one step on the current torch stream and return at once (no error check). overlap=True lets
+        the step start while the work before it on the stream finishes (programmatic dependent launch): its
+        weight stream begins early and everything else waits for that work to end, so the caller promises that
+        the work before it writes no weight this kernel streams (a previous step of it never does)."""
         self._need_gpu()
-        self._rt.launch(int(self.watchdog_s * 1e9))
+        self._rt.launch(int(self.watchdog_s * 1e9), overlap and self._overlap_ok)
+        self._overlap_ok = True
+
+    def order_next_launch(self) -> None:
+        """The next launch waits for everything before it on the stream, even if asked to overlap: call it after
+        writing a weight the kernel streams (LlamaModel.reset does)."""
+        self._overlap_ok = False
 
     @ranged("megart.check")
     def check(self) -> int:
@@ -217,6 +227,7 @@ class PersistentKernel:
         if ctrl[CTRL["abort"]]:
             rec = self._hang_record(ctrl)
             self._rt.reset_after_abort()
+            self._overlap_ok = False   # (the reset's writes, which the producer's abort check reads, come first)
             peer = ""
             if rec["peer"]:
                 peer = (f" It is a peer event: rank {self.graph.rank}'s peers count it up, so a peer died, stalled or "
@@ -230,9 +241,10 @@ class PersistentKernel:
         return int(ctrl[CTRL["step"]])
 
     def __call__(self, steps: int = 1) -> int:
-        """Run `steps` steps (one launch each), then check; returns the number of completed steps."""
-        for _ in range(steps):
-            self.launch()
+        """Run `steps` steps (one launch each, each after the first overlapping the previous one's end), then
+        check; returns the number of completed steps."""
+        for i in range(steps):
+            self.launch(overlap=i > 0)
         return self.check()
 
     def _hang_record(self, ctrl: np.ndarray) -> dict:

@@ -74,6 +74,14 @@ class DeviceRuntime:
         if smem_bytes > 48 * 1024:
             self._raise_smem_limit(smem_bytes)
         self.config = LaunchConfig(grid=self.nw, block=threads, shmem_size=smem_bytes, is_cooperative=True)
+        # An overlapped launch (programmatic dependent launch): its CTAs may start on the SMs the previous kernel
+        # on the stream leaves, before it has ended; the kernel reads nothing a step writes until its
+        # griddepcontrol.wait (csrc/runtime.cuh), so only its weight stream runs early. Not cooperative: a
+        # cooperative launch waits for the previous kernel to end (the H200 measured no overlap with it). The
+        # grid is the one a cooperative launch of this kernel already placed whole (the first launch, and
+        # every launch after order_next_launch, is cooperative), so its CTAs are co-resident again.
+        self.config_overlap = LaunchConfig(grid=self.nw, block=threads, shmem_size=smem_bytes,
+                                           programmatic_stream_serialization=True)
         desc, starts = pack_descriptors(schedule)
         self.total = int(starts[-1])
         self.desc = torch.from_numpy(desc).to(device)
@@ -129,11 +137,13 @@ class DeviceRuntime:
             self._streams[key] = Stream.from_handle(key)
         return self._streams[key]
 
-    def launch(self, watchdog_ns: int) -> None:
+    def launch(self, watchdog_ns: int, overlap: bool = False) -> None:
+        """overlap: the kernel may start before the previous work on the stream has ended (its weights, which
+        it reads early, must not be written by that work)."""
         from cuda.core import launch
         spans = self.spans.data_ptr() if self.spans is not None else 0
-        launch(self._stream(), self.config, self.kernel, self.desc.data_ptr(), self.starts.data_ptr(),
-               self.events.data_ptr(), self.ctrl.data_ptr(), spans, np.int64(watchdog_ns))
+        launch(self._stream(), self.config_overlap if overlap else self.config, self.kernel, self.desc.data_ptr(),
+               self.starts.data_ptr(), self.events.data_ptr(), self.ctrl.data_ptr(), spans, np.int64(watchdog_ns))
 
     def wait(self, timeout_s: float) -> np.ndarray:
         """Wait (bounded) for the stream's work, then return the control block."""

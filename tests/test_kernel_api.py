@@ -122,3 +122,31 @@ def test_a_call_knows_its_cost():
     assert call.cost().bytes == 2 * 16 * 4
     assert call.args["dst"].count == 16
     assert k.task("noop").cost() is None
+
+
+def test_a_launch_overlaps_only_the_kernels_own_previous_launch():
+    """launch(overlap=True) is an overlapped launch (its weight stream may start before the work ahead of it on
+    the stream ends) only right after this kernel's own launch: never the first, never after
+    order_next_launch(), and __call__ overlaps its second and later steps."""
+    k = pk()
+    k.task("noop")
+    k.compile()
+    seen = []
+
+    class Runtime:   # (the device runtime's launch, recorded)
+        def launch(self, watchdog_ns, overlap):
+            seen.append(overlap)
+
+    k._rt = Runtime()
+    k.launch(overlap=True)
+    k.launch(overlap=True)
+    k.launch()
+    k.launch(overlap=True)
+    k.order_next_launch()
+    k.launch(overlap=True)
+    assert seen == [False, True, False, True, False]
+    seen.clear()
+    k.order_next_launch()
+    k.launch()
+    k.launch()
+    assert seen == [False, False]

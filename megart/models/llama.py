@@ -187,6 +187,10 @@ class LlamaModel:
     # the vectors between the weight-bound calls are tagged words, polled by their readers: on the H200 the
     # 1B step measured 922.5 / 923.2 us against 944.4 / 940.4 with event waits (bench/RESULTS.md)
     tagged_default = True
+    # a step's launch overlaps the previous step's end (programmatic dependent launch: its weight stream starts
+    # on the SMs the last step leaves, all else waits for that step). So weights stay read-only between steps
+    # too: after writing one in place, call reset() before the next step (or set this False).
+    overlap_steps = True
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights | None = None, kv: list | None = None, *,
                  device=None, nw: int | None = None, seed: int = 0, kv_seed: int = 1, init: str = "random",
@@ -451,6 +455,8 @@ class LlamaModel:
         pos = self.cfg.prefill if pos is None else int(pos)
         if not 0 <= pos < self.cfg.max_seq:
             raise ValueError(f"pos {pos} outside [0, {self.cfg.max_seq})")
+        if self.on_gpu:
+            self.pk.order_next_launch()   # (weights written before a reset are streamed after it)
         self.pos_next.fill_(pos)
         self._pos_next_host = pos
         if token is not None and not self.cfg.block:
@@ -468,7 +474,7 @@ class LlamaModel:
         if self._pos_next_host >= self.cfg.max_seq:
             raise ValueError(f"the KV cache is full: pos {self._pos_next_host} >= max_seq {self.cfg.max_seq}")
         if self.on_gpu:
-            self.pk.launch()
+            self.pk.launch(overlap=self.overlap_steps)
         else:
             self.pk.emulate(1, seed=self._steps, host=self._host)
         self._pos_next_host += 1

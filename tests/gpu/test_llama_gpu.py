@@ -108,10 +108,12 @@ def test_greedy_runs_repeat_bitwise(built):
         assert torch.equal(outs[0], outs[1])
         return
     runs = []
-    for _ in range(2):
+    for overlap in (True, False):   # each launch overlapping the previous step's end, then each waiting for it
+        m.overlap_steps = overlap
         m.reset(cfg.prefill, token=17, clear_kv=True)
         toks = m.generate(16).clone()
         runs.append((toks, m.logits.clone(), [k[:, cfg.prefill:cfg.prefill + 16].clone() for k, _ in m.kv]))
+    m.overlap_steps = True
     assert torch.equal(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1])
     assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))
