@@ -34,17 +34,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megart.layout import SPAN  # noqa: E402
+from megart.models.call_breakdown import call_kind  # noqa: E402
 
 WORKER, WAIT, BEGIN, END, STEP, INSTANCE = (SPAN[k] for k in ("worker", "wait_start", "body_begin", "body_end",
                                                                 "step", "instance"))
 MARK0, MARK1 = SPAN["mark0"], SPAN["mark1"]
 # An instance's events in order: the phase marks are stamped only by MEGART_PHASE_MARKS builds (0 otherwise).
 EVENTS = (("wait starts", WAIT), ("body begins", BEGIN), ("mark 0", MARK0), ("mark 1", MARK1), ("end", END))
-
-
-def call_kind(label: str) -> str:
-    """"L3.gate_up" -> "gate_up"; labels outside a layer stay as they are."""
-    return re.sub(r"^L\d+\.", "", label)
 
 
 def load(path) -> tuple[np.ndarray, np.ndarray, list]:

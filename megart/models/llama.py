@@ -52,6 +52,7 @@ from ..config import kv_streamed
 from ..options import check_defines
 from .. import tagged as tagged_words
 from ..geometry.attention import attention_chunks
+from .call_breakdown import call_breakdown, call_index, call_kind
 from .llama_config import (CONFIGS, LlamaConfig, LlamaWeights, block_8b, clone_kv, config, llama_1b,  # noqa: F401
                            llama_1b_fp8, make_inputs, make_kv_cache, make_weights, relerr, rope_tables, tiny)
 
@@ -535,75 +536,16 @@ class LlamaModel:
 
     def call_kind(self, label: str) -> str:
         """'L3.gate_up' -> 'gate_up' (the per-layer calls of one kind are summed in breakdowns)."""
-        head, _, rest = label.partition(".")
-        return rest if rest and head[:1] == "L" and head[1:].isdigit() else label
+        return call_kind(label)
 
     def call_index(self, n_uid: int = 0):
         """(the call labels, in graph order; an int64 array mapping an instance uid to its call's position in
         them, -1 for an instance of no call), covering uids below max(n_uid, the graph's instance count)."""
-        import numpy as np
-        labels = list(self.groups)
-        call_of = np.full(max(n_uid, len(self.pk.graph.instances)), -1, dtype=np.int64)
-        for ci, lb in enumerate(labels):
-            call_of[self.groups[lb].uids] = ci
-        return labels, call_of
+        return call_index(self.groups, len(self.pk.graph.instances), n_uid)
 
     def call_breakdown(self, prof) -> list:
-        """Per call kind (qkv, attn, merge, o, gate_up, down, lm_head, ...; summed over layers), medians over
-        the profiled steps, in us: `wall` (sum over the kind's calls of first body begin to last body end),
-        `slow_cta` (sum over calls of the busiest worker's body time), `sum_cta` (all body time), `wait`
-        (time workers spent waiting on events before this kind's instances), `wait_share`: that
-        wait as a fraction of all worker-time in the step (nw x step wall), and `last_phases_us`: the body of
-        each call's last-ending instance split at its phase marks (to mark 0, mark 0 to mark 1, mark 1 to
-        the end; megart::span_mark in the device code), summed over the kind's calls."""
-        import numpy as np
-        from ..profile import BODY_BEGIN, BODY_END, INSTANCE, STEP, WAIT_START, WORKER, phase_parts
-        rec = prof.records
-        labels, call_of = self.call_index(int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
-        kinds = list(dict.fromkeys(self.call_kind(lb) for lb in labels))
-        kind_of_call = np.array([kinds.index(self.call_kind(lb)) for lb in labels])
-        per_step = {k: [] for k in ("wall", "slow_cta", "sum_cta", "wait", "wait_share")}
-        phases = []
-        nc, nk = len(labels), len(kinds)
-        for st in prof.steps:
-            r = rec[rec[:, STEP] == st]
-            r = r[call_of[r[:, INSTANCE]] >= 0]
-            ci = call_of[r[:, INSTANCE]]
-            body = r[:, BODY_END] - r[:, BODY_BEGIN]
-            wait = r[:, BODY_BEGIN] - r[:, WAIT_START]
-            first = np.full(nc, np.iinfo(np.int64).max)
-            last = np.zeros(nc, dtype=np.int64)
-            np.minimum.at(first, ci, r[:, BODY_BEGIN])
-            np.maximum.at(last, ci, r[:, BODY_END])
-            present = last > 0
-            wall_c = np.where(present, last - first, 0)
-            per_w = np.zeros((nc, self.nw), dtype=np.int64)
-            np.add.at(per_w, (ci, r[:, WORKER]), body)
-            step_wall = prof.step_wall(st)
-            acc = {k: np.zeros(nk) for k in per_step}
-            np.add.at(acc["wall"], kind_of_call, wall_c)
-            np.add.at(acc["slow_cta"], kind_of_call, per_w.max(axis=1))
-            np.add.at(acc["sum_cta"], kind_of_call, np.bincount(ci, body, minlength=nc))
-            np.add.at(acc["wait"], kind_of_call, np.bincount(ci, wait, minlength=nc))
-            acc["wait_share"] = acc["wait"] / max(1, self.nw * step_wall)
-            for k in per_step:
-                per_step[k].append(acc[k])
-            order = np.lexsort((r[:, BODY_END], ci))          # by call, then end: each call's last is its last row
-            li = order[np.r_[np.flatnonzero(np.diff(ci[order])), len(order) - 1]] if len(order) else order
-            ph_k = np.zeros((nk, 3))
-            np.add.at(ph_k, kind_of_call[ci[li]], phase_parts(r[li]))
-            phases.append(ph_k)
-        out = []
-        for i, kind in enumerate(kinds):
-            calls = [lb for lb in labels if self.call_kind(lb) == kind]
-            row = dict(kind=kind, calls=len(calls), instances=sum(len(self.groups[c].uids) for c in calls))
-            for k, v in per_step.items():
-                med = float(np.median([a[i] for a in v])) if v else 0.0
-                row[k if k == "wait_share" else k + "_us"] = med if k == "wait_share" else med / 1e3
-            row["last_phases_us"] = [float(np.median([a[i, j] for a in phases])) / 1e3 if phases else 0.0
-                                     for j in range(3)]
-            out.append(row)
-        return out
+        """Per call kind, summed over layers, medians over the profiled steps (megart/models/call_breakdown.py)."""
+        return call_breakdown(self.groups, self.nw, prof)
 
     def describe(self) -> str:
         c = self.cfg
