@@ -263,7 +263,8 @@ class LlamaModel:
         # single-assignment residual stream: xs[l] enters layer l, xm[l] is after its attention
         # tagged (megart/tagged.py): the vectors passed between the weight-bound calls are tagged words, which
         # their readers poll instead of waiting on the writer's event; not x_in / x_out (the caller's) or the
-        # embedding's output, nor h when silu_mul writes it (fp8 "split" gate/up)
+        # embedding's output (tagged, layer 0's qkv instances all poll it from the step's start: 8 us slower on
+        # the H200, bench/RESULTS.md), nor h when silu_mul writes it (fp8 "split" gate/up)
         tv = lambda n: tagged_words.empty(n, dev) if self.tagged else z(n)  # noqa: E731
         self.xs = [z(c.d) if i == 0 or (c.block and i == c.layers) else tv(c.d) for i in range(c.layers + 1)]
         self.xm = [tv(c.d) for _ in range(c.layers)]
