@@ -70,7 +70,8 @@ class Timer:
     def __init__(self, device: torch.device):
         self.gpu = device.type == "cuda"
 
-    def steps(self, fn, n: int, warmup: int = 3, before=None) -> list[float]:
+    def _warm(self, fn, warmup: int, before) -> None:
+        """`before`, `warmup` calls, a sync, then `before` again: the timed calls start from the same state."""
         if before:
             before()
         for _ in range(warmup):
@@ -78,6 +79,9 @@ class Timer:
         self.sync()
         if before:
             before()
+
+    def steps(self, fn, n: int, warmup: int = 3, before=None) -> list[float]:
+        self._warm(fn, warmup, before)
         if not self.gpu:
             out = []
             for _ in range(n):
@@ -98,13 +102,7 @@ class Timer:
         event sits between two launches (an overlapped launch overlaps only its stream neighbour)."""
         out = []
         for _ in range(runs):
-            if before:
-                before()
-            for _ in range(warmup):
-                fn()
-            self.sync()
-            if before:
-                before()
+            self._warm(fn, warmup, before)
             if not self.gpu:
                 t = time.perf_counter()
                 for _ in range(n):
