@@ -1,4 +1,5 @@
-// argmax_reduce: token = part_idx of the largest part_val (ties: lowest index)
+// argmax_reduce: token = part_idx of the largest part_val (ties: lowest index); with history, also
+// history[pos[0]] = token (when 0 <= pos[0] < n_history)
 // (helpers: tasks/dense_common.cuh)
 template <class P>
 __device__ __forceinline__ void megart_task_argmax_reduce(const P& p, char* smem) {
@@ -12,5 +13,11 @@ __device__ __forceinline__ void megart_task_argmax_reduce(const P& p, char* smem
     if (better(v, id, bv, bi)) { bv = v; bi = id; }
   }
   block_argmax(bv, bi, scratch_of(smem));
-  if (threadIdx.x == 0) p.token[0] = bi;
+  if (threadIdx.x == 0) {
+    p.token[0] = bi;
+    if (p.history != nullptr) {
+      const int at = p.pos[0];
+      if (at >= 0 && at < p.n_history) p.history[at] = bi;
+    }
+  }
 }

@@ -331,26 +331,33 @@ register(TaskType(
         "(W8 x)): half the LM head's bytes. K must be a multiple of 16."), builtin=True)
 
 
-def _argmax_split(nw, tiles=1, token=None, part_val=None, part_idx=None):
+def _argmax_split(nw, tiles=1, token=None, part_val=None, part_idx=None, history=None, pos=None):
     task = "argmax_reduce"
     t, pv, pi = ref(task, token, "token"), ref(task, part_val, "part_val"), ref(task, part_idx, "part_idx")
     require(t.count == 1, task, f"token must be one element, got {t.count}")
     require(pv.count == pi.count, task, f"part_val has {pv.count} entries, part_idx {pi.count}")
     require(tiles == 1, task, "a single instance reduces all partials; pass tiles=1")
-    return [dict(token=t, part_val=pv, part_idx=pi, n=pv.count)]
+    require((history is None) == (pos is None), task, "history and pos go together (history[pos[0]] = token)")
+    h, ps = opt_ref(history, "history"), opt_ref(pos, "pos")
+    require(ps is None or ps.count == 1, task, f"pos must be one element, got {ps.count if ps else 0}")
+    return [dict(token=t, part_val=pv, part_idx=pi, n=pv.count, history=h, pos=ps, n_history=h.count if h else 0)]
 
 
 def _argmax_ref(p) -> None:
     v = torch.nan_to_num(p.part_val, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     best = v.max()
     p.token[0] = int(p.part_idx[v == best].min())
+    if p.history is not None and 0 <= int(p.pos[0]) < p.n_history:
+        p.history[int(p.pos[0])] = p.token[0]
 
 
 register(TaskType(
     name="argmax_reduce", id=22, hostsim=True,
-    params=(ptr("token", "i32", "out"), ptr("part_val", "f32", "in"), ptr("part_idx", "i32", "in"), scalar("n")),
+    params=(ptr("token", "i32", "out"), ptr("part_val", "f32", "in"), ptr("part_idx", "i32", "in"), scalar("n"),
+            ptr("history", "i32", "out", optional=True), ptr("pos", "i32", "in", optional=True), scalar("n_history")),
     source=source("argmax_reduce"), headers=HEADERS, reference=_argmax_ref, split=_argmax_split,
     cost=lambda token=None, part_val=None, **_: Cost(bytes=8 * ref("cost", part_val, "part_val").count + 4),
     smem_bytes=SCRATCH_BYTES,
     doc="token[0] = part_idx[j] of the largest part_val[j] (ties: the lowest index; NaN counts as -inf). "
-        "One instance."), builtin=True)
+        "One instance. With history and pos, also history[pos[0]] = token[0] when pos is inside the history "
+        "(token_record's job, without its own hop at the end of the step)."), builtin=True)

@@ -205,7 +205,11 @@ def test_full_size_graph_compiles_without_spills(name):
     if name == "1b_fp8_all":      # gate, up and the LM head in fp8
         assert "lm_head_argmax_fp8" in lay.types
         assert cfg.weight_bytes() < llama.config("1b_fp8").weight_bytes() - 250e6
-    assert max(len(w) for w in s.waits.values()) <= 2
+    # at most 2 events per instance; the step's last (argmax_reduce, which also writes history[pos]) waits on 3:
+    # the LM head, the embedding whose token it overwrites and pos_advance (polls order nothing for the graph)
+    argmax = set(m.groups["argmax"].uids) if "argmax" in m.groups else set()
+    assert max(len(w) for u, w in s.waits.items() if u not in argmax) <= 2
+    assert all(len(s.waits[u]) <= 3 for u in argmax)
     assert not [i for i in s.instances if i.type.name == "join"]
     assert m.pk.occupancy.per_sm >= 1
     per_layer = len(m.groups["L0.qkv"].uids) + len(m.groups["L0.down"].uids)

@@ -430,6 +430,30 @@ def test_lm_head_argmax(v, d, tiles, norm):
         assert torch.equal(out["pv"], out["logits"][out["pi"].long()])
 
 
+@pytest.mark.parametrize("at", [3, 0, 7, 8, -1])
+def test_argmax_reduce_records_the_token_in_history(at):
+    """With history and pos, argmax_reduce also writes history[pos[0]] = token (pos inside the history) and
+    nothing else of it; both the emulator and the CUDA body on the host."""
+    pk = kernel(2)
+    pv = torch.tensor([0.5, 2.0, float("nan"), 2.0, -1.0])
+    pi = torch.tensor([10, 40, 3, 20, 7], dtype=torch.int32)
+    T = pk.tensor(torch.full((1,), -1, dtype=torch.int32), "token")
+    H = pk.tensor(torch.full((8,), -2, dtype=torch.int32), "history")
+    P = pk.tensor(torch.tensor([at], dtype=torch.int32), "pos")
+    pk.task("argmax_reduce", token=T, part_val=pk.tensor(pv, "pv"), part_idx=pk.tensor(pi, "pi"), history=H, pos=P)
+    want = torch.full((8,), -2, dtype=torch.int32)
+    if 0 <= at < 8:
+        want[at] = 20                      # the largest value, 2.0, its lowest index (ties), NaN as -inf
+    for out in run(pk):
+        assert int(out["token"][0]) == 20
+        assert torch.equal(out["history"], want)
+    k2 = kernel(2)
+    with pytest.raises(GraphError, match="history and pos go together"):
+        k2.task("argmax_reduce", token=k2.tensor(torch.zeros(1, dtype=torch.int32), "t"),
+                part_val=k2.tensor(pv, "pv"), part_idx=k2.tensor(pi, "pi"),
+                history=k2.tensor(torch.zeros(8, dtype=torch.int32), "h"))
+
+
 @pytest.mark.parametrize("v,d,tiles,norm", [
     pytest.param(16384, 2048, 132, True, id="1b-d-16k-vocab"),
     pytest.param(1001, 272, 7, False, id="odd"),

@@ -18,7 +18,7 @@ grid barrier):
       gemv_m1 o_proj   (fused residual)   xm_l = x_l + Wo a_l
       gate_up_silu     (fused post-norm)  h_l = silu(Wg n(xm_l)) * Wu n(xm_l)
       gemv_m1 down     (fused residual)   x_{l+1} = xm_l + Wd h_l
-    lm_head_argmax (fused final norm) -> argmax_reduce (token, fed back) -> token_record (history[pos])
+    lm_head_argmax (fused final norm) -> argmax_reduce (token, fed back; history[pos])
 
 The residual stream is written in single-assignment form (one bf16 buffer per layer and half-layer), so
 no call ever overwrites what another call of the same step still reads: every dependency is a
@@ -349,9 +349,9 @@ class LlamaModel:
         self._kv_commits(pos)
         if not c.block:
             # token is read by the embedding at the step's start: that write-after-read is implied here
-            g_am = self._task("argmax", "argmax_reduce", [g_lm], token=token, part_val=pv, part_idx=pi)
-            self._task("token_record", "token_record", [g_am],
-                       history=T(self.history, "history"), token=token, pos=pos)
+            # (and history[pos] = token: token_record's write, without a hop of its own at the step's end)
+            self._task("argmax", "argmax_reduce", [g_lm], token=token, part_val=pv, part_idx=pi,
+                       history=T(self.history, "history"), pos=pos)
 
     def _pos_advance(self, pos):
         """The step's first task: pos = pos_next, pos_next + 1, and pos_stamp stamped where attention's K/V come
