@@ -11,7 +11,7 @@ import torch
 import megart
 from megart.geometry import dense as geo
 from megart.emulate import hostsim as dense_hostsim
-from test_tasks_dense import kernel, run
+from dense_checks import kernel, run
 
 # ---- launch geometry, prefetch, cost, and the host simulation itself ---------------------------------------
 def _all_dense_kernel(nw: int, threads: int = 256, defines: dict | None = None) -> megart.PersistentKernel:

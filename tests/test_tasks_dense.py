@@ -5,60 +5,18 @@ reference, `emu`) and the host simulation of the CUDA bodies themselves (megart.
 against the fp32 whole-op references of megart.geometry.dense: cosine >= 0.99 AND relative error
 <= the per-task tolerance of docs/TASKS.md (tol >= 2x E, <= D/10), and against each other. Each
 test also recomputes D (the cheapest feature drop) and checks the tolerance would catch it. Bad
-shapes and dtypes must raise GraphError at build time."""
+shapes and dtypes must raise GraphError at build time. (The LM head and argmax_reduce:
+tests/test_tasks_lm_head.py; the shared runs and gate: tests/dense_checks.py.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import megart
 from megart import GraphError
 from megart.geometry import dense as geo
 from megart.tasks import dense as dense_tasks
-from megart.emulate import hostsim as dense_hostsim
 
-# per task, declared as TaskType.tol (docs/TASKS.md, "Dense tasks": E and D measured at the shapes below)
-TOL = {t.name: t.tol for t in megart.registry.all_types() if t.tol is not None}
-NW = 132
-LLAMA1B = dict(d=2048, ffn=8192, vocab=128256)
-LLAMA8B = dict(d=4096, ffn=14336)
-
-
-def kernel(nw: int = NW) -> megart.PersistentKernel:
-    return megart.PersistentKernel(nw=nw, device="cpu")
-
-
-def run(pk: megart.PersistentKernel, steps: int = 1, seed: int = 0):
-    """Compile (no spills), then (emulator result, host-simulated device result)."""
-    pk.compile()
-    r = pk.report
-    assert r.spill_bytes == 0, f"ptxas spilled: {r}"
-    emu = pk.emulate(steps=steps, seed=seed)
-    dev = {k: v.clone() for k, v in dense_hostsim.run(pk, steps=steps, seed=seed).items()}
-    return emu, dev
-
-
-def gate(task: str, emu, dev, ref, drop=None) -> None:
-    """Both results: cosine >= 0.99 and relerr <= TOL[task]; device body vs Python mirror within tol/2;
-    `drop` (a feature-dropped reference) must be >= 10x tol away from ref."""
-    tol = TOL[task]
-    for which, out in (("emu", emu), ("dev", dev)):
-        c, e = geo.cosine(out, ref), geo.relerr(out, ref)
-        print(f"[gate] {task} {which}: E={e:.3e} cos={c:.6f}")
-        assert c >= 0.99, f"{task} ({which}): cosine {c:.5f} < 0.99 (relerr {e:.3e})"
-        assert e <= tol, f"{task} ({which}): relerr {e:.3e} > tol {tol:.0e} (cosine {c:.5f})"
-    de = geo.relerr(dev, emu)
-    print(f"[gate] {task} dev-vs-emu: {de:.3e}")
-    assert de <= tol / 2, f"{task}: device body and Python mirror differ by {de:.3e}"
-    if drop is not None:
-        d = geo.relerr(drop, ref)
-        print(f"[gate] {task}: D={d:.3e}")
-        assert d >= 10 * tol, f"{task}: the feature drop differs by only {d:.3e}; tol {tol:.0e} cannot see it"
-
-
-def bf16(t):
-    return t.to(torch.bfloat16)
-
+from dense_checks import bf16, gate, kernel, run
 
 # ---- gemv_m1 -------------------------------------------------------------------------------------------
 GEMV_SHAPES = [
@@ -390,145 +348,6 @@ def test_embedding_rejects():
         pk.task("embedding", y=y, table=t, token=pk.tensor(torch.zeros(1, dtype=torch.int64), "tok64"))
     with pytest.raises(GraphError, match="whole tensor"):
         pk.task("embedding", y=y, table=t.ref(0, 80), token=pk.tensor(torch.zeros(1, dtype=torch.int32), "tk"))
-
-
-# ---- lm_head_argmax + argmax_reduce -----------------------------------------------------------------------
-def _lm_kernel(w, x, g, tiles, logits=True, nw=NW, scale=None):
-    """The LM head then argmax_reduce; with `scale`, w is an e4m3 head and lm_head_argmax_fp8 runs it."""
-    pk = kernel(nw)
-    v = w.shape[0]
-    parts = min(tiles, v)
-    W, X = pk.tensor(w, "w"), pk.tensor(x, "x")
-    PV, PI = pk.tensor(torch.zeros(parts), "pv"), pk.tensor(torch.zeros(parts, dtype=torch.int32), "pi")
-    L = pk.tensor(torch.zeros(v), "logits") if logits else None
-    T = pk.tensor(torch.full((1,), -1, dtype=torch.int32), "token")
-    fp8 = {} if scale is None else {"scale": pk.tensor(scale, "s")}
-    pk.task("lm_head_argmax" if scale is None else "lm_head_argmax_fp8", w=W, x=X, part_val=PV, part_idx=PI,
-            logits=L, norm_weight=pk.tensor(g, "g") if g is not None else None, eps=1e-5, tiles=tiles, **fp8)
-    pk.task("argmax_reduce", token=T, part_val=PV, part_idx=PI)
-    return pk
-
-
-@pytest.mark.parametrize("v,d,tiles,norm", [
-    pytest.param(16384, 2048, 132, True, id="1b-d-16k-vocab"),
-    pytest.param(8192, 4096, 132, False, id="8b-d"),
-    pytest.param(1001, 264, 7, True, id="odd"),
-])
-def test_lm_head_argmax(v, d, tiles, norm):
-    w, x = geo.dense_m1(v, d, seed=v + d)
-    g = geo.norm_weight(d, seed=2) if norm else None
-    emu, dev = run(_lm_kernel(w, x, g, tiles))
-    ref = geo.ref_lm_head(w, x, norm_weight=g)
-    drop = geo.ref_lm_head(w, x, norm_weight=torch.ones_like(g)) if norm else None
-    gate("lm_head_argmax", emu["logits"], dev["logits"], ref, drop)
-    for out in (emu, dev):
-        # the token is exactly the argmax of the logits the same run stored; the reference's up to near-ties
-        tok = int(out["token"][0])
-        assert tok == int(torch.argmax(out["logits"]))
-        assert ref[tok] >= ref.max() - 1e-2 * ref.abs().max()
-        # each partial is the max of its tile
-        assert torch.equal(out["pv"], out["logits"][out["pi"].long()])
-
-
-@pytest.mark.parametrize("at", [3, 0, 7, 8, -1])
-def test_argmax_reduce_records_the_token_in_history(at):
-    """With history and pos, argmax_reduce also writes history[pos[0]] = token (pos inside the history) and
-    nothing else of it; both the emulator and the CUDA body on the host."""
-    pk = kernel(2)
-    pv = torch.tensor([0.5, 2.0, float("nan"), 2.0, -1.0])
-    pi = torch.tensor([10, 40, 3, 20, 7], dtype=torch.int32)
-    T = pk.tensor(torch.full((1,), -1, dtype=torch.int32), "token")
-    H = pk.tensor(torch.full((8,), -2, dtype=torch.int32), "history")
-    P = pk.tensor(torch.tensor([at], dtype=torch.int32), "pos")
-    pk.task("argmax_reduce", token=T, part_val=pk.tensor(pv, "pv"), part_idx=pk.tensor(pi, "pi"), history=H, pos=P)
-    want = torch.full((8,), -2, dtype=torch.int32)
-    if 0 <= at < 8:
-        want[at] = 20                      # the largest value, 2.0, its lowest index (ties), NaN as -inf
-    for out in run(pk):
-        assert int(out["token"][0]) == 20
-        assert torch.equal(out["history"], want)
-    k2 = kernel(2)
-    with pytest.raises(GraphError, match="history and pos go together"):
-        k2.task("argmax_reduce", token=k2.tensor(torch.zeros(1, dtype=torch.int32), "t"),
-                part_val=k2.tensor(pv, "pv"), part_idx=k2.tensor(pi, "pi"),
-                history=k2.tensor(torch.zeros(8, dtype=torch.int32), "h"))
-
-
-@pytest.mark.parametrize("v,d,tiles,norm", [
-    pytest.param(16384, 2048, 132, True, id="1b-d-16k-vocab"),
-    pytest.param(1001, 272, 7, False, id="odd"),
-])
-def test_lm_head_argmax_fp8(v, d, tiles, norm):
-    """The e4m3 head with per-row scales (half the bytes): logits = scale * (W8 x), the same argmax rules."""
-    w, x = geo.dense_m1(v, d, seed=v + d + 1)
-    w8, s = geo.quantize_fp8_per_channel(w)
-    g = geo.norm_weight(d, seed=2) if norm else None
-    emu, dev = run(_lm_kernel(w8, x, g, tiles, scale=s))
-    xs = geo.ref_rmsnorm(x, g) if norm else x.float()
-    ref = (w8.float() @ xs) * s
-    drop = w8.float() @ xs                                                     # the scales forgotten
-    gate("lm_head_argmax_fp8", emu["logits"], dev["logits"], ref, drop)
-    for out in (emu, dev):
-        assert int(out["token"][0]) == int(torch.argmax(out["logits"]))
-        assert torch.equal(out["pv"], out["logits"][out["pi"].long()])
-    assert geo.relerr(ref, geo.ref_lm_head(w, x, norm_weight=g)) < 0.1      # quantisation stays small
-    bad = kernel(4)
-    with pytest.raises(GraphError, match="scale"):
-        bad.task("lm_head_argmax_fp8", w=bad.tensor(w8, "w8"), x=bad.tensor(x, "x"), scale=bad.tensor(s[:-1].clone(), "s"),
-                 part_val=bad.tensor(torch.zeros(4), "pv"), part_idx=bad.tensor(torch.zeros(4, dtype=torch.int32), "pi"),
-                 tiles=4)
-
-
-def test_lm_head_without_logits_and_ties():
-    """Two identical best rows in different tiles: the token is the lower index (both here and on the GPU,
-    where identical rows give bit-identical sums)."""
-    v, d = 999, 128
-    w, x = geo.dense_m1(v, d, seed=9)
-    best = bf16(x.float() / x.float().norm() * 3)            # a row well aligned with x
-    w[100], w[800] = best, best
-    for out in run(_lm_kernel(w, x, None, tiles=9, logits=False)):
-        assert int(out["token"][0]) == 100
-        assert int(out["pi"][0]) == 100 and int(out["pi"][7]) == 800
-
-
-def test_argmax_reduce_ties_and_nan():
-    pk = kernel(4)
-    vals = torch.tensor([1.0, float("nan"), 5.0, 5.0, -float("inf"), 5.0, 2.0])
-    idx = torch.tensor([10, 3, 70, 40, 1, 55, 2], dtype=torch.int32)
-    T = pk.tensor(torch.zeros(1, dtype=torch.int32), "t")
-    pk.task("argmax_reduce", token=T, part_val=pk.tensor(vals, "pv"), part_idx=pk.tensor(idx, "pi"))
-    for out in run(pk):
-        assert int(out["t"][0]) == 40
-
-
-def test_lm_head_full_vocab_builds():
-    """Llama-3.2-1B LM head (128256 x 2048, 525 MB of weights): build + compile + verify only."""
-    v, d = LLAMA1B["vocab"], LLAMA1B["d"]
-    w = torch.empty(v, d, dtype=torch.bfloat16)
-    x = torch.zeros(d, dtype=torch.bfloat16)
-    pk = _lm_kernel(w, x, torch.ones(d, dtype=torch.bfloat16), tiles=264)
-    pk.compile()
-    assert pk.report.spill_bytes == 0
-    insts = [i for i in pk.graph.instances if i.type.name == "lm_head_argmax"]
-    assert len(insts) == 264 and sum(i.params["n"] for i in insts) == v
-    assert max(i.params["n"] for i in insts) - min(i.params["n"] for i in insts) <= 1
-    red = [i for i in pk.graph.instances if i.type.name == "argmax_reduce"][0]
-    assert set(red.deps) == {i.uid for i in insts}
-
-
-def test_lm_head_rejects():
-    pk = kernel(4)
-    W = pk.tensor(torch.zeros(100, 64, dtype=torch.bfloat16), "w")
-    X = pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "x")
-    PV, PI = pk.tensor(torch.zeros(4), "pv"), pk.tensor(torch.zeros(4, dtype=torch.int32), "pi")
-    with pytest.raises(GraphError, match="one entry per instance"):
-        pk.task("lm_head_argmax", w=W, x=X, part_val=PV, part_idx=PI, tiles=5)
-    with pytest.raises(GraphError, match="vocabulary"):
-        pk.task("lm_head_argmax", w=W, x=X, part_val=PV, part_idx=PI, logits=pk.tensor(torch.zeros(99), "l"),
-                tiles=4)
-    with pytest.raises(GraphError, match="needs f32"):
-        pk.task("lm_head_argmax", w=W, x=X, part_val=pk.tensor(torch.zeros(4, dtype=torch.bfloat16), "pvb"),
-                part_idx=PI, tiles=4)
 
 
 # ---- group_gemm_m1 -----------------------------------------------------------------------------------------
