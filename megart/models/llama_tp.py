@@ -121,6 +121,9 @@ class LlamaTPRank(LlamaModel):
     short_attn_ring_default = False   # (attention's 32 KB ring for short chunks was measured on one GPU only)
     # (a rank's graph adds its vectors as plain bf16 tensors and sums partials into them: not tagged yet)
     tagged_default = False
+    # each launch waits for the previous one: overlapped launches (LlamaModel.overlap_steps) have not run on two
+    # GPUs yet (the two-GPU machine was not lent since they were built)
+    overlap_steps = False
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, kv: list, *, peers, device=None,
                  nw: int | None = None, tiles: dict | None = None, attn_chunks: str = "match", fold_sums=True,
