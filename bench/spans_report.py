@@ -17,6 +17,8 @@ Two tables, medians over the profiled steps after the first:
   merges the head's partials), their difference is what that extra work costs the chain;
 * each call's instances in six index bands: body and end after the call's last end per band (instances
   dealt a row pair less, or taking another code path, end apart from the rest);
+* the step's ends: the calls after the last layer (in one step) and those before and in layer 0 (in the next),
+  after the earlier step's last end: the boundary between two steps;
 * with the phase marks (`--phases` records): a layer's chain event by event, each call's wait start, body
   begin, marks and end (min / median / max over its instances) after the layer's first call's last end.
 """
@@ -85,8 +87,8 @@ def timeline(records, call_of, labels, step, prefix: str) -> list:
             continue
         x = r[ci == i]
         if len(x):
-            rows.append((lb, (x[:, BEGIN].min() - t0) / 1e3, (np.median(x[:, END]) - t0) / 1e3,
-                         (x[:, END].max() - t0) / 1e3))
+            rows.append((lb, (x[:, BEGIN].min() - t0) / 1e3, np.median(x[:, END] - t0) / 1e3,   # (differences
+                         (x[:, END].max() - t0) / 1e3))   # first: a float64 of the timer's ns is 256 ns coarse)
     return rows
 
 
@@ -181,6 +183,35 @@ def chain(records, call_of, labels, step) -> dict:
     return {k: tuple(float(t) for t in np.median(np.array(v), axis=0)) for k, v in rows.items()}
 
 
+def step_ends(records, call_of, labels) -> dict:
+    """Across consecutive profiled steps, in us after the earlier step's last instance end: the calls that end a
+    step (those after its last layer, in the earlier step: ("end", label)) and those that start one (before and
+    in layer 0, in the later step: ("start", label)), each as first wait start / median body begin / median end /
+    last end, medians over the pairs. How long one step's end and the next one's start take, and what of them
+    overlapping the launches (LlamaModel.overlap_steps) hides."""
+    layer_of = [_layer(lb) for lb in labels]
+    in_layers = [i for i, n in enumerate(layer_of) if n is not None]
+    if not in_layers:
+        return {}
+    calls = {"end": [i for i in range(len(labels)) if i > in_layers[-1]],
+             "start": [i for i in range(len(labels)) if i < in_layers[0] or layer_of[i] == 0]}
+    steps = sorted(set(records[:, STEP].tolist()))
+    rows = {}
+    for a, b in zip(steps, steps[1:]):
+        if b != a + 1:
+            continue
+        ra, ca = _step_rows(records, call_of, a)
+        t0 = ra[:, END].max()
+        for tag, (r, ci) in (("end", (ra, ca)), ("start", _step_rows(records, call_of, b))):
+            for i in calls[tag]:
+                x = r[ci == i]
+                if len(x):
+                    rows.setdefault((tag, labels[i]), []).append(
+                        ((x[:, WAIT].min() - t0) / 1e3, np.median(x[:, BEGIN] - t0) / 1e3,
+                         np.median(x[:, END] - t0) / 1e3, (x[:, END].max() - t0) / 1e3))
+    return {k: tuple(float(m) for m in np.median(np.array(v), axis=0)) for k, v in rows.items()}
+
+
 def _median_of(dicts: list) -> dict:
     out = {k: float(np.median([d[k] for d in dicts])) for k in dicts[0] if k != "kinds"}
     out["kinds"] = {k: tuple(float(np.median([d["kinds"][k][j] for d in dicts])) for j in (0, 1))
@@ -217,6 +248,12 @@ def report(path, layer: int = 1) -> str:
         lines.append(f"  each call's instances in index bands, step {mid} (medians over the middle layers): "
                      "first-last index: body us / end us after the call's last end")
         lines += [f"  {k:14s} " + "  ".join(f"{a}-{b}: {bd:.2f} / {e:.2f}" for a, b, bd, e in v) for k, v in bi.items()]
+    se = step_ends(records, call_of, labels)
+    if se:
+        lines.append("  the step's ends (us after the previous step's last end, medians over consecutive steps): "
+                     "first wait / median begin / median end / last end")
+        lines += [f"  {('previous ' if tag == 'end' else '') + lb:22s} " + " ".join(f"{t:8.2f}" for t in v)
+                  for (tag, lb), v in se.items()]
     ch = chain(records, call_of, labels, mid)
     if any(ev.startswith("mark") for _, ev in ch):
         lines.append(f"  a layer's chain, step {mid} (us after the layer's first call's last end, medians over the "

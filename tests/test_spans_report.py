@@ -121,3 +121,39 @@ def test_chain_gives_each_calls_events_after_the_layers_first_call(tmp_path):
     plain = tmp_path / "p.npz"
     np.savez_compressed(plain, records=_records([r[:6] for r in rows]), call_of=call_of, labels=np.array(labels))
     assert "a layer's chain" not in spans_report.report(plain, layer=1)
+
+
+def test_step_ends_time_the_boundary_between_steps(tmp_path):
+    """The calls after the last layer (earlier step) and before / in layer 0 (later step), after the earlier
+    step's last end: first wait, median begin, median end, last end, medians over consecutive pairs."""
+    labels = ["embedding", "L0.qkv", "L1.qkv", "lm_head", "argmax"]
+    call_of = np.array([0, 1, 2, 3, 3, 4])
+    # one step, times in ns from the step's base: (uid, worker, wait, begin, end)
+    one = [(0, 0, 0, 500, 1500), (1, 0, 1500, 2000, 6000), (2, 0, 6000, 7000, 10000),
+           (3, 0, 10000, 11000, 20000), (4, 1, 10000, 12000, 18000), (5, 1, 18000, 21000, 23000)]
+    period = 30000                                        # a step's base every 30 us: 7 us after the last end
+    rows = [(st, uid, w, wt + period * st, bb + period * st, e + period * st)
+            for st in (1, 2, 3) for uid, w, wt, bb, e in one]
+    path = tmp_path / "ends.npz"
+    np.savez_compressed(path, records=_records(rows), call_of=call_of, labels=np.array(labels))
+    rec, co, lb = spans_report.load(path)
+    se = spans_report.step_ends(rec, co, lb)
+    assert list(se) == [("end", "lm_head"), ("end", "argmax"), ("start", "embedding"), ("start", "L0.qkv")]
+    assert np.allclose(se[("end", "argmax")], (-5.0, -2.0, 0.0, 0.0))
+    assert np.allclose(se[("end", "lm_head")], (-13.0, -11.5, -4.0, -3.0))       # begins 11 and 12, ends 20 and 18
+    assert np.allclose(se[("start", "embedding")], (7.0, 7.5, 8.5, 8.5))
+    assert np.allclose(se[("start", "L0.qkv")], (8.5, 9.0, 13.0, 13.0))
+    assert "previous argmax" in spans_report.report(path, layer=0)
+
+
+def test_medians_keep_the_timers_32_ns_at_its_real_magnitude(tmp_path):
+    """%globaltimer counts ns since an epoch (~1.7e18): as float64 such a value is 256 ns coarse, so a median
+    is taken of differences, never of the raw stamps."""
+    base = 1_700_000_000_000_000_000
+    labels = ["L0.qkv"]
+    rows = [(1, 0, 0, base, base + 32, base + 1000 + 32 * k) for k in range(3)]   # ends 1.000 / 1.032 / 1.064 us
+    path = tmp_path / "t.npz"
+    np.savez_compressed(path, records=_records(rows), call_of=np.zeros(1, dtype=np.int64), labels=np.array(labels))
+    rec, co, lb = spans_report.load(path)
+    (_, first, med, last), = spans_report.timeline(rec, co, lb, 1, "L0.")
+    assert abs(med - 1.032) < 1e-9 and abs(last - 1.064) < 1e-9
