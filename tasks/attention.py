@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from ..geometry.attention import attention_chunks, chunk_range
+from ..geometry.attention import active_chunks, attention_chunks, chunk_range
 from ..registry import Cost, TaskType, ptr, register, scalar
 from ..tensors import as_ref
 from .attention_common import (ATTENTION_HEADERS, ATTN_HD, ATTN_MAX_GROUP, ATTN_STAGE_WARPS, ATTN_SUBGROUP,
@@ -49,13 +49,19 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
 
 
 def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, n_kv, hd, max_seq=None, chunk=0,
-                chunks=None, scale=None, out=None, arrivals=None, k_new=None, v_new=None, pos_stamp=None):
+                chunks=None, min_chunk=0, scale=None, out=None, arrivals=None, k_new=None, v_new=None,
+                pos_stamp=None):
     T = "attention_decode"
     qr, kr, vr, group, ms = _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq)
     pr, por, pmr = as_ref(pos, "pos"), as_ref(part_o, "part_o"), as_ref(part_ml, "part_ml")
     require(pr.count == 1, T, f"pos must be a single i32 element, has {pr.count}")
     chunk = int(chunk or 0)
     require(chunk >= 0, T, f"chunk must be >= 0 (0: dynamic chunks), got {chunk}")
+    require(isinstance(min_chunk, int) and not isinstance(min_chunk, bool) and 0 <= min_chunk <= ms, T,
+            f"min_chunk must be an integer in [0, max_seq={ms}] (positions per dynamic chunk, at least), "
+            f"got {min_chunk!r}")
+    require(not (chunk and min_chunk), T, f"min_chunk={min_chunk} applies to dynamic chunks; chunk={chunk} "
+                                          "fixes their length already")
     nch = attention_chunks(n_kv, ms, nw, chunk, None if chunk else chunks, tiles)
     if chunk and chunks is not None:
         require(chunks == nch, T, f"chunks={chunks} but chunk={chunk} over max_seq={ms} gives {nch}")
@@ -82,7 +88,8 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
                 res.append(dict(q=q_ref, k_cache=k_ref, v_cache=v_ref, pos=pr,
                                 part_o=por.tensor.ref(por.offset + slot * hd, ng * hd),
                                 part_ml=pmr.tensor.ref(pmr.offset + slot * 2, ng * 2),
-                                group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, max_seq=ms, scale=scale,
+                                group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, min_chunk=min_chunk,
+                                max_seq=ms, scale=scale,
                                 tagged_out=tagged_out, pos_stamp=stamp, **rows, **fused(h, c)))
     return res
 
@@ -138,7 +145,7 @@ def _attn_ref(p) -> None:
     import torch
     G, hd = p.group, p.hd
     kv_len = _kv_len(int(p.pos[0]), p.max_seq)
-    lo, hi = chunk_range(p.chunk, p.cidx, p.nchunks, kv_len)
+    lo, hi = chunk_range(p.chunk, p.cidx, p.nchunks, kv_len, p.min_chunk)
     if hi <= lo:
         p.part_o.zero_()
         p.part_ml.view(G, 2)[:, 0] = float("-inf")
@@ -170,12 +177,15 @@ def _attn_fused_ref(p) -> None:
         return
     p.arrivals[0] = 0
     G, hd, C = p.group, p.hd, p.nchunks
+    # (the device merges only the chunks holding positions; the empty ones' partials add exactly nothing)
+    kv_len = _kv_len(int(p.pos[0]), p.max_seq)
+    active = C if p.chunk else active_chunks(C, kv_len, p.min_chunk)
     back = lambda view, n, total: view.as_strided(  # noqa: E731  (stride: a tagged out's values are every other half)
         (total,), (view.stride(0),), view.storage_offset() - n * view.stride(0))
     _merge_ref(SimpleNamespace(out=back(p.out, out_claim(G * hd, C, p.cidx)[0], G * hd),
-                               part_o=back(p.part_o, p.cidx * G * hd, C * G * hd),
-                               part_ml=back(p.part_ml, p.cidx * G * 2, C * G * 2),
-                               nheads=G, group=G, hd=hd, chunks=C, g0=0))
+                               part_o=back(p.part_o, p.cidx * G * hd, active * G * hd),
+                               part_ml=back(p.part_ml, p.cidx * G * 2, active * G * 2),
+                               nheads=G, group=G, hd=hd, chunks=active, g0=0))
 
 
 def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, out=None, part_o=None, **_):
@@ -251,7 +261,8 @@ register(TaskType(
     name="attention_decode", id=65, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:attention_decode",
     params=(ptr("q", "bf16", "in", tagged=True), ptr("k_cache", "bf16", "in"), ptr("v_cache", "bf16", "in"),
             ptr("pos", "i32", "in"), ptr("part_o", "f32", "out"), ptr("part_ml", "f32", "out"),
-            scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("max_seq"),
+            scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("min_chunk"),
+            scalar("max_seq"),
             scalar("scale", "f32"), ptr("out", "bf16", "out", optional=True, tagged=True),
             ptr("arrivals", "i32", "sync", optional=True), scalar("tagged_out"),
             ptr("k_new", "bf16", "in", optional=True, tagged=True), ptr("v_new", "bf16", "in", optional=True, tagged=True),

@@ -67,10 +67,14 @@ constexpr float kLn2 = 0.6931471805599453f;
 // form in the last instance of a kv head to arrive.
 // With kMergeBatch > 0 and up to that many chunks (the default split: nw / n_kv = 16) every load is issued
 // before the first use, so the merge costs one memory round trip instead of two dependent passes; the
-// arithmetic is the same, in the same order. Measured in the Llama-1B step it did not shorten the merge
-// (50 vs 51 us over 16 layers, bench/RESULTS.md). Off where registers are scarce (128-register builds,
+// arithmetic is the same, in the same order. In the Llama-1B step the two-pass loop instead costs 12-15 us
+// a step (bench/RESULTS.md, twenty-sixth session). Off where registers are scarce (128-register builds,
 // 128 threads): there the unrolled batch made ptxas spill.
 constexpr int kMergeBatch = (kLowRegs || MEGART_THREADS < 256) ? 0 : 16;
+#ifndef MEGART_MERGE_SMALL
+#define MEGART_MERGE_SMALL 4
+#endif
+constexpr int kMergeSmallBatch = kMergeBatch > MEGART_MERGE_SMALL ? MEGART_MERGE_SMALL : kMergeBatch;
 
 // One (head, dim) output over C <= B chunks, all loads first.
 template <int B>
@@ -114,7 +118,11 @@ constexpr int kMergeUnroll = kLowRegs ? 1 : 4;
 
 __device__ __forceinline__ float merge_point(const float* ml, const float* po, int C, int G, int HD) {
   float L = 0.f, O = 0.f;
-  if (!merge_batched<kMergeBatch>(ml, po, C, G, HD, L, O)) {
+  // A few chunks (a short context with min_chunk) take a batch of 4: the same loads and arithmetic in a
+  // quarter of the straight-line code, which a body run once per layer fetches cold.
+  const bool done = C <= kMergeSmallBatch ? merge_batched<kMergeSmallBatch>(ml, po, C, G, HD, L, O)
+                                          : merge_batched<kMergeBatch>(ml, po, C, G, HD, L, O);
+  if (!done) {
     float M = neg_inf();
 #pragma unroll(kMergeUnroll)
     for (int c = 0; c < C; ++c) M = fmaxf(M, ld_in_f32(ml + (long long)c * G * 2));

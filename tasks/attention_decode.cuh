@@ -435,7 +435,7 @@ __device__ __forceinline__ void megart_task_attention_decode(const megart_params
     } else if (p.hd == 128) {
       at::for_width<128>(p.group, at::StreamBody<128>{p, smem, lo, hi, pos});
     }
-    if (p.arrivals != nullptr) at::merge_if_last(p, smem);
+    if (p.arrivals != nullptr) at::merge_if_last(p, smem, pos);
     return;
   }
 #endif
@@ -444,5 +444,5 @@ __device__ __forceinline__ void megart_task_attention_decode(const megart_params
   } else if (p.hd == 128) {
     at::for_width<128>(p.group, at::DecodeBody<128>{p, smem, lo, hi});
   }  // the splitter refuses other head sizes
-  if (p.arrivals != nullptr) at::merge_if_last(p, smem);
+  if (p.arrivals != nullptr) at::merge_if_last(p, smem, pos);
 }

@@ -29,6 +29,20 @@ constexpr bool kDiagNoKv = (MEGART_DIAG_NO_WAIT & 4) != 0;
 constexpr bool kDiagNoKv = false;
 #endif
 
+// MEGART_MERGE_ACTIVE=1 (the Llama model's choice where decoding starts below min_chunk x nchunks positions):
+// the fused merge reads only the partials of the chunks that hold positions. Compiled in only there: at a 2k
+// context, where it changes nothing, the 1B step measured ~6 us slower with it (bench/RESULTS.md).
+#ifndef MEGART_MERGE_ACTIVE
+#define MEGART_MERGE_ACTIVE 0
+#endif
+// Positions per dynamic chunk at kv_len: ceil(kv_len / nchunks), at least min_chunk (geometry/attention.py's
+// chunk_length): at a short context fewer chunks hold positions and the merge reads only theirs.
+template <class P>
+__device__ __forceinline__ int chunk_length(const P& p, int kv_len) {
+  const int cl = (kv_len + p.nchunks - 1) / p.nchunks;
+  return cl > p.min_chunk ? cl : p.min_chunk;
+}
+
 // Positions [lo, hi) of the instance's chunk at this step's pos (kv_len = pos + 1, capped at max_seq): the
 // body's, and the weight stream producer's when it loads the chunk's rows ahead (kv_stream_open).
 template <class P>
@@ -38,7 +52,7 @@ __device__ __forceinline__ void chunk_range(const P& p, int pos, int& lo, int& h
     lo = p.cidx * p.chunk;
     hi = lo + p.chunk;
   } else {
-    const int cl = (kv_len + p.nchunks - 1) / p.nchunks;
+    const int cl = chunk_length(p, kv_len);
     lo = p.cidx * cl;
     hi = lo + cl;
   }
@@ -247,17 +261,27 @@ __device__ __forceinline__ void attend_batch(const float (&q)[G][VEC], float (&m
 // One copy for every head size and width, run after the body (a copy inside each instantiation spilled the
 // kernel that holds every built-in type; a called function did too).
 template <class P>
-__device__ __forceinline__ void merge_if_last(const P& p, char* smem) {
+__device__ __forceinline__ void merge_if_last(const P& p, char* smem, int pos) {
   int* s_last = reinterpret_cast<int*>(smem);  // (the partials' staging rounds are over)
   __syncthreads();                             // every thread's partial stores are issued
   if (threadIdx.x == 0) *s_last = arrive_last(p.arrivals, p.nchunks);
   __syncthreads();
   megart::span_mark(1);  // (profiled builds: partials stored, arrival counted)
   if (!*s_last) return;
-  const int G = p.group, HD = p.hd, C = p.nchunks, n = G * HD;  // (32-bit offsets: n * C < 2^31)
+  const int G = p.group, HD = p.hd, n = G * HD;  // (32-bit offsets: n * nchunks < 2^31)
+  // MEGART_MERGE_ACTIVE: only the chunks that hold positions (where kv_len <= min_chunk x nchunks); an empty
+  // one's partials (m = -inf, l = o = 0) add exactly nothing, so the bits are the same.
+  int C = p.nchunks;
+  if (MEGART_MERGE_ACTIVE && p.chunk == 0) {
+    const int kv_len = pos < 0 ? 0 : (pos >= p.max_seq ? p.max_seq : pos + 1);
+    if (p.min_chunk > 0 && kv_len <= p.min_chunk * C) {
+      const int active = (kv_len + p.min_chunk - 1) / p.min_chunk;
+      if (active < C) C = active > 0 ? active : 1;
+    }
+  }
   const float* ml = p.part_ml - p.cidx * G * 2;
   const float* po = p.part_o - p.cidx * n;
-  const int back = p.cidx * n / C;  // (elements: 2-byte values, or 4-byte tagged words)
+  const int back = p.cidx * n / p.nchunks;  // (elements: 2-byte values, or 4-byte tagged words)
   for (int t = threadIdx.x; t < n; t += MEGART_THREADS) {
     const int g = t / HD;
     const __nv_bfloat16 v = __float2bfloat16_rn(merge_point(ml + g * 2, po + t, C, G, HD));

@@ -21,7 +21,7 @@ import megart
 from megart.errors import GraphError
 from megart.geometry.attention import (attention_m1, attention_scratch, qkv_m1, ref_attention_decode,
                                        ref_qkv_rope_append, rope_tables)
-from megart.geometry.attention import attention_chunks, chunk_range
+from megart.geometry.attention import active_chunks, attention_chunks, chunk_length, chunk_range
 from megart.tasks.attention import body_defines
 
 TOL_QKV = megart.registry.get("qkv_rope_append").tol            # TaskType.tol, measured as above
@@ -84,7 +84,7 @@ def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=N
     return t, dict(k0=k, v0=v, ref=ref, w=w, x=x, nw=nwt if norm else None, cos=cs, sin=sn)
 
 
-def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu", merge="call"):
+def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu", merge="call", min_chunk=0):
     """attention_decode then its merge: attention_merge (merge="call") or the fused form (merge="fused":
     out and arrivals given to attention_decode, the last chunk of each kv head merges)."""
     n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
@@ -97,7 +97,7 @@ def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu", merge="call
         t["arrivals"] = pk.tensor(torch.zeros(n_kv, dtype=torch.int32, device=dev), "arrivals")
         fused = dict(out=t["out"], arrivals=t["arrivals"])
     pk.task("attention_decode", q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], part_o=t["po"],
-            part_ml=t["pm"], n_q=n_q, n_kv=n_kv, hd=hd, chunk=chunk, tiles=tiles, **fused)
+            part_ml=t["pm"], n_q=n_q, n_kv=n_kv, hd=hd, chunk=chunk, tiles=tiles, min_chunk=min_chunk, **fused)
     if merge == "call":
         pk.task("attention_merge", out=t["out"], part_o=t["po"], part_ml=t["pm"], n_q=n_q, n_kv=n_kv, hd=hd,
                 chunks=C, tiles=n_q)
@@ -236,13 +236,13 @@ def test_decode_chain(hd, pos):
 
 # --- the CUDA bodies themselves, on the host (megart.emulate.hostsim: TaskType.hostsim) ---------------------
 
-def _chain_on_the_host(hd, pos, overrides=None, merge="call", defines=None, **pk_kw):
+def _chain_on_the_host(hd, pos, overrides=None, merge="call", defines=None, min_chunk=0, **pk_kw):
     sh, ms = SHAPES[hd], 2048
     # (only the attention body this shape runs is compiled, as the models do: the host compile is the slow part)
     defines = {**body_defines(hd, sh["n_q"] // sh["n_kv"]), **(defines or {})}
     pk = megart.PersistentKernel(nw=NW, device="cpu", source_overrides=overrides or {}, defines=defines, **pk_kw)
     t, r = build_qkv(pk, sh, ms, pos, seed=pos)
-    build_attention(pk, t, sh, ms, merge=merge)
+    build_attention(pk, t, sh, ms, merge=merge, min_chunk=min_chunk)
     compiled(pk)
     emu = {k: v.clone() for k, v in pk.emulate().items()}
     q_ref, k_ref, v_ref = r["ref"]
@@ -286,6 +286,39 @@ def test_fused_merge_gives_the_merge_calls_bits(hd):
     assert torch.equal(dev_fused["out"], dev_call["out"]) and torch.equal(dev_fused["part_o"], dev_call["part_o"])
     assert not dev_fused["arrivals"].any() and not emu_fused["arrivals"].any()
     assert len({g.label for g in pk.graph.groups}) == 2      # qkv and attention: no merge call
+
+
+def test_min_chunk_keeps_the_merge_calls_bits_with_fewer_partials():
+    """min_chunk=64 at kv_len 101: two chunks of the 16 hold positions, the rest are empty. With
+    MEGART_MERGE_ACTIVE=1 the fused merge reads only those two; the host-run bodies still give the bits of
+    attention_merge over all 16 (an empty chunk adds exactly nothing), and both match the fp32 chain."""
+    from megart.emulate import hostsim
+    pos, hd = 100, 64
+    assert active_chunks(16, pos + 1, 64) == 2 and chunk_range(0, 1, 16, pos + 1, 64) == (64, 101)
+    runs = {}
+    for merge, defines in (("call", {}), ("fused", {"MEGART_MERGE_ACTIVE": 1})):
+        pk, emu, q_ref, out_ref = _chain_on_the_host(hd, pos, merge=merge, defines=defines, min_chunk=64)
+        runs[merge] = hostsim.run(pk, seed=3)
+        check(runs[merge]["out"], out_ref, TOL_ATTN, f"{merge}: attention out (host-run bodies)")
+        check(emu["out"], out_ref, TOL_ATTN, f"{merge}: attention out (emulator)")
+        ml = runs[merge]["part_ml"].view(SHAPES[hd]["n_kv"], -1, 4, 2)
+        assert torch.all(ml[:, 2:, :, 0] == float("-inf")) and torch.all(ml[:, :2, :, 1] >= 1.0)
+    assert torch.equal(runs["fused"]["out"], runs["call"]["out"])
+    assert not runs["fused"]["arrivals"].any()
+
+
+def test_chunk_lengths():
+    """Dynamic chunks: ceil(kv_len / nchunks) positions, at least min_chunk; the chunks past the context are
+    empty and active_chunks counts the others (at least 1, the merge's count)."""
+    assert chunk_length(16, 2049) == 129 and chunk_length(16, 2049, 64) == 129 and chunk_length(16, 129, 64) == 64
+    assert [chunk_range(0, c, 16, 129, 64) for c in range(4)] == [(0, 64), (64, 128), (128, 129), (192, 192)]
+    assert active_chunks(16, 129, 64) == 3 and active_chunks(16, 2049, 64) == 16 and active_chunks(16, 0, 64) == 1
+    assert active_chunks(16, 1) == 1 and active_chunks(16, 17) == 9     # (cl 2: chunks 9..15 empty)
+    for L in range(0, 300, 7):
+        for m in (0, 1, 64):
+            spans = [chunk_range(0, c, 16, L, m) for c in range(16)]
+            assert sum(hi - lo for lo, hi in spans) == L and all(lo <= hi for lo, hi in spans)
+            assert sum(hi > lo for lo, hi in spans) == (active_chunks(16, L, m) if L else 0)
 
 
 def test_fused_merge_orders_readers_after_every_chunk():
@@ -387,6 +420,10 @@ def test_bad_shapes_are_refused():
     _raises(lambda: att(chunks=2), "part_o has")
     _raises(lambda: att(chunk=-1), "chunk must be")
     _raises(lambda: att(chunk=16, chunks=3), "chunks=3")
+    _raises(lambda: att(min_chunk=-1), "min_chunk must be")
+    _raises(lambda: att(min_chunk=ms + 1), "min_chunk must be")
+    _raises(lambda: att(min_chunk=2.5), "min_chunk must be")
+    _raises(lambda: att(chunk=16, chunks=4, min_chunk=8), "applies to dynamic chunks")
     _raises(lambda: att(part_ml=po), "part_ml has")
     _raises(lambda: att(pos=pos), "single i32")
     mbase = dict(out=out, part_o=po, part_ml=pm, n_q=n_q, n_kv=n_kv, hd=hd, chunks=1)

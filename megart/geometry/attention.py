@@ -119,12 +119,25 @@ def attention_chunks(n_kv: int, max_seq: int, nw: int, chunk: int = 0, chunks: i
     return max(1, auto_tiles(tiles, nw) // n_kv)
 
 
-def chunk_range(chunk: int, cidx: int, nchunks: int, kv_len: int) -> tuple[int, int]:
-    """Positions [lo, hi) chunk `cidx` covers at this kv_len (static when chunk > 0, else dynamic)."""
+def chunk_length(nchunks: int, kv_len: int, min_chunk: int = 0) -> int:
+    """Positions per dynamic chunk at this kv_len: ceil(kv_len / nchunks), but at least min_chunk, so a short
+    context keeps fewer chunks busy (the rest are empty) and the merge reads fewer partials."""
+    return max(-(-kv_len // nchunks), int(min_chunk))
+
+
+def active_chunks(nchunks: int, kv_len: int, min_chunk: int = 0) -> int:
+    """Dynamic chunks that hold a position at this kv_len (at least 1: the merge's count): the rest are empty."""
+    cl = chunk_length(nchunks, kv_len, min_chunk)
+    return max(1, min(nchunks, -(-kv_len // cl) if cl else 1))
+
+
+def chunk_range(chunk: int, cidx: int, nchunks: int, kv_len: int, min_chunk: int = 0) -> tuple[int, int]:
+    """Positions [lo, hi) chunk `cidx` covers at this kv_len (static when chunk > 0, else dynamic, of
+    chunk_length positions)."""
     if chunk > 0:
         lo, hi = cidx * chunk, cidx * chunk + chunk
     else:
-        cl = -(-kv_len // nchunks)
+        cl = chunk_length(nchunks, kv_len, min_chunk)
         lo, hi = cidx * cl, cidx * cl + cl
     hi = min(hi, kv_len)
     return lo, max(lo, hi)

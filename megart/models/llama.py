@@ -69,13 +69,22 @@ def default_threads(cfg: LlamaConfig) -> int:
     return 384 if all_fp8 else 256
 
 
+# Positions a dynamic attention chunk holds at least. At a 128-token context the 1B step's 16 chunks per kv
+# head hold 8-9 positions each and the merging instance reads 16 partials; with 64 three chunks hold them all
+# and the merge reads three (1b_128 797 -> ~789 us/step; at 2k every chunk is longer than 64 anyway).
+# bench/RESULTS.md, twenty-sixth session.
+ATTN_MIN_CHUNK = 64
+
+
 def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
     """Instances per call. Weight-streaming calls get ~nw instances (one slice per worker); attention
-    gets nw // n_kv chunks per kv head; the LM head nw instances (~V/nw rows each)."""
+    gets nw // n_kv chunks per kv head, each of at least attn_min_chunk positions (so below 16 x 64 positions
+    fewer chunks hold any); the LM head nw instances (~V/nw rows each)."""
     return dict(
         embedding=max(1, min(8, cfg.d // 256)),
         qkv=nw,
         attn_chunks=max(1, nw // cfg.n_kv),
+        attn_min_chunk=min(ATTN_MIN_CHUNK, cfg.max_seq),
         merge=min(cfg.n_q, nw),
         o=nw,
         gate_up=nw,
@@ -155,6 +164,14 @@ def attention_ring_default(cfg: LlamaConfig, chunks: int, kcfg) -> dict:
 
 
 ATTN_MERGE = ("auto", "fused", "call")
+
+
+def merge_active_default(cfg: LlamaConfig, chunks: int, min_chunk: int) -> dict:
+    """MEGART_MERGE_ACTIVE=1 where decoding starts at a context below min_chunk x chunks positions: there the
+    fused merge reads only the partials of the chunks holding positions (1b_128: 798 -> 779 us/step), while
+    at a 2k context, where it would change nothing, the 1B step measured ~6 us slower with it compiled in
+    (bench/RESULTS.md, twenty-sixth session). Any pos runs correctly either way."""
+    return {"MEGART_MERGE_ACTIVE": 1} if min_chunk and cfg.prefill + 1 <= min_chunk * chunks else {}
 
 
 def merge_fused(how: str, cfg: LlamaConfig, chunks: int) -> bool:
@@ -239,7 +256,8 @@ class LlamaModel:
         self._alloc()
         # (the chunk count _alloc sized the partials with; a macro read at compile only)
         ring = attention_ring_default(cfg, self.chunks, self.pk.kernel_config()) if self.short_attn_ring_default else {}
-        self.pk.defines = {**self.pk.defines, **check_defines(ring)}
+        self.pk.defines = {**self.pk.defines, **check_defines(ring), **merge_active_default(cfg, self.chunks,
+                                                                                         self.tiles["attn_min_chunk"])}
         self.attn_ring_short = bool(ring)   # (compile() drops it where it would not build clean)
         self._build()
         self._host = None
@@ -398,7 +416,8 @@ class LlamaModel:
         g_att = self._task(p + "attn", "attention_decode", [g_qkv],
                            q=q, k_cache=kct, v_cache=vct, pos=pos, part_o=po, part_ml=pm, n_q=c.n_q,
                            n_kv=c.n_kv, hd=c.hd, max_seq=c.max_seq, chunks=self.chunks,
-                           tiles=self.chunks * c.n_kv, pos_stamp=self._stamp, **fused, **new)
+                           min_chunk=self.tiles["attn_min_chunk"], tiles=self.chunks * c.n_kv,
+                           pos_stamp=self._stamp, **fused, **new)
         self._attn_calls.append((g_att, dict(k_cache=kct, v_cache=vct, **new)))
         if self.merge_fused:
             return a, g_att
