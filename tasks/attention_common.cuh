@@ -76,9 +76,15 @@ constexpr int kMergeBatch = (kLowRegs || MEGART_THREADS < 256) ? 0 : 16;
 #endif
 constexpr int kMergeSmallBatch = kMergeBatch > MEGART_MERGE_SMALL ? MEGART_MERGE_SMALL : kMergeBatch;
 
-// One (head, dim) output over C <= B chunks, all loads first.
-template <int B>
-__device__ __forceinline__ bool merge_batched(const float* ml, const float* po, int C, int G, int HD, float& L,
+// A shape known at compile time (merge_if_last with MEGART_MERGE_C): the strides below fold into immediates.
+template <int V>
+struct Fixed {
+  __device__ __forceinline__ constexpr operator int() const { return V; }
+};
+
+// One (head, dim) output over C <= B chunks, all loads first. G and HD: ints, or Fixed<n>.
+template <int B, class GT = int, class HT = int>
+__device__ __forceinline__ bool merge_batched(const float* ml, const float* po, int C, GT G, HT HD, float& L,
                                               float& O) {
   if constexpr (B > 0) {
     if (C > B) return false;
@@ -109,6 +115,18 @@ __device__ __forceinline__ bool merge_batched(const float* ml, const float* po, 
   } else {
     return false;
   }
+}
+
+// The merge of one output with the shape (group G, head size HD, nchunks B) compiled in and C <= B chunks
+// holding positions: merge_point's arithmetic, in the same order.
+template <int B, int G, int HD>
+__device__ __forceinline__ float merge_point_fixed(const float* ml, const float* po, int C) {
+  float L = 0.f, O = 0.f;
+  if (C <= kMergeSmallBatch && kMergeSmallBatch < B)
+    merge_batched<kMergeSmallBatch>(ml, po, C, Fixed<G>{}, Fixed<HD>{}, L, O);
+  else
+    merge_batched<B>(ml, po, C, Fixed<G>{}, Fixed<HD>{}, L, O);
+  return L > 0.f ? O / L : 0.f;
 }
 
 // More chunks than kMergeBatch: two passes (the max, then the sums), unrolled by kMergeUnroll so that many

@@ -279,6 +279,27 @@ __device__ __forceinline__ void merge_if_last(const P& p, char* smem, int pos) {
       if (active < C) C = active > 0 ? active : 1;
     }
   }
+#if defined(MEGART_MERGE_C) && MEGART_MERGE_C > 0
+  // The model's one attention shape (MEGART_MERGE_G / _HD / _C): strides as immediates, and with
+  // MEGART_MERGE_ACTIVE off no chunk guard (C is nchunks).
+  constexpr int FG = MEGART_MERGE_G, FHD = MEGART_MERGE_HD, FC = MEGART_MERGE_C, FN = FG * FHD;
+  if (FC <= kMergeBatch && p.group == FG && p.hd == FHD && p.nchunks == FC) {
+    const float* fml = p.part_ml - p.cidx * FG * 2;
+    const float* fpo = p.part_o - p.cidx * FN;
+    const int fback = p.cidx * FN / FC;
+    const int fc = MEGART_MERGE_ACTIVE ? C : FC;
+#pragma unroll
+    for (int t0 = 0; t0 < FN; t0 += MEGART_THREADS) {
+      const int t = t0 + threadIdx.x;
+      if (FN % MEGART_THREADS == 0 || t < FN) {
+        const __nv_bfloat16 v = __float2bfloat16_rn(merge_point_fixed<FC, FG, FHD>(fml + (t / FHD) * 2, fpo + t, fc));
+        if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out) - fback, t, v);
+        else (p.out - fback)[t] = v;
+      }
+    }
+    return;
+  }
+#endif
   const float* ml = p.part_ml - p.cidx * G * 2;
   const float* po = p.part_o - p.cidx * n;
   const int back = p.cidx * n / p.nchunks;  // (elements: 2-byte values, or 4-byte tagged words)

@@ -267,18 +267,27 @@ def test_attention_bodies_run_on_the_host(hd, pos, defines):
     assert rel(dev["out"], emu["out"]) <= TOL_ATTN / 2 and rel(dev["part_o"], emu["part_o"]) <= TOL_ATTN / 2
 
 
-@pytest.mark.parametrize("hd", [64, 128])
-def test_fused_merge_gives_the_merge_calls_bits(hd):
+def _merge_shape(hd):
+    """The Llama model's macros for the fused merge of this shape compiled in (megart/models/llama.py)."""
+    sh = SHAPES[hd]
+    return {"MEGART_MERGE_G": sh["n_q"] // sh["n_kv"], "MEGART_MERGE_HD": hd, "MEGART_MERGE_C": NW // sh["n_kv"]}
+
+
+@pytest.mark.parametrize("hd,fixed", [(64, False), (128, False), (64, True), (128, True)],
+                         ids=["hd64", "hd128", "hd64-shape-compiled-in", "hd128-shape-compiled-in"])
+def test_fused_merge_gives_the_merge_calls_bits(hd, fixed):
     """attention_decode with out and arrivals (the last chunk of each kv head to arrive merges) writes the same
     bits as attention_decode + attention_merge, in the host-run CUDA bodies and in the emulator, and leaves
     every arrival counter at 0 for the next step. (The merge runs after either K/V path of the body, so the
     ring path's shape stands for both; the register path's partials are checked above.) hd 128, group 4 gives
-    each thread two outputs."""
+    each thread two outputs. With MEGART_MERGE_G / _HD / _C (the Llama model's) the merge of that shape is
+    compiled with its strides as constants: the same bits."""
     pos = 2046
     from megart.emulate import hostsim
     runs = {}
     for merge in ("call", "fused"):
-        pk, emu, q_ref, out_ref = _chain_on_the_host(hd, pos, merge=merge)
+        defines = _merge_shape(hd) if fixed and merge == "fused" else {}
+        pk, emu, q_ref, out_ref = _chain_on_the_host(hd, pos, merge=merge, defines=defines)
         runs[merge] = hostsim.run(pk, seed=3), emu
         check(runs[merge][0]["out"], out_ref, TOL_ATTN, f"{merge}: attention out (host-run bodies)")
         check(emu["out"], out_ref, TOL_ATTN, f"{merge}: attention out (emulator)")
@@ -288,15 +297,18 @@ def test_fused_merge_gives_the_merge_calls_bits(hd):
     assert len({g.label for g in pk.graph.groups}) == 2      # qkv and attention: no merge call
 
 
-def test_min_chunk_keeps_the_merge_calls_bits_with_fewer_partials():
+@pytest.mark.parametrize("fixed", [False, True], ids=["general", "shape-compiled-in"])
+def test_min_chunk_keeps_the_merge_calls_bits_with_fewer_partials(fixed):
     """min_chunk=64 at kv_len 101: two chunks of the 16 hold positions, the rest are empty. With
     MEGART_MERGE_ACTIVE=1 the fused merge reads only those two; the host-run bodies still give the bits of
-    attention_merge over all 16 (an empty chunk adds exactly nothing), and both match the fp32 chain."""
+    attention_merge over all 16 (an empty chunk adds exactly nothing), and both match the fp32 chain; so does
+    the merge with the shape compiled in (the Llama model's)."""
     from megart.emulate import hostsim
     pos, hd = 100, 64
     assert active_chunks(16, pos + 1, 64) == 2 and chunk_range(0, 1, 16, pos + 1, 64) == (64, 101)
     runs = {}
-    for merge, defines in (("call", {}), ("fused", {"MEGART_MERGE_ACTIVE": 1})):
+    fused = {"MEGART_MERGE_ACTIVE": 1, **(_merge_shape(hd) if fixed else {})}
+    for merge, defines in (("call", {}), ("fused", fused)):
         pk, emu, q_ref, out_ref = _chain_on_the_host(hd, pos, merge=merge, defines=defines, min_chunk=64)
         runs[merge] = hostsim.run(pk, seed=3)
         check(runs[merge]["out"], out_ref, TOL_ATTN, f"{merge}: attention out (host-run bodies)")

@@ -166,6 +166,12 @@ def attention_ring_default(cfg: LlamaConfig, chunks: int, kcfg) -> dict:
 ATTN_MERGE = ("auto", "fused", "call")
 
 
+def merge_shape_defines(cfg: LlamaConfig, chunks: int) -> dict:
+    """The fused merge's shape compiled in (group, head size, chunks per kv head: strides as immediates, no
+    per-chunk guard); an instance of another shape takes the general merge."""
+    return {"MEGART_MERGE_G": cfg.n_q // cfg.n_kv, "MEGART_MERGE_HD": cfg.hd, "MEGART_MERGE_C": chunks}
+
+
 def merge_active_default(cfg: LlamaConfig, chunks: int, min_chunk: int) -> dict:
     """MEGART_MERGE_ACTIVE=1 where decoding starts at a context below min_chunk x chunks positions: there the
     fused merge reads only the partials of the chunks holding positions (1b_128: 798 -> 779 us/step), while
@@ -256,8 +262,9 @@ class LlamaModel:
         self._alloc()
         # (the chunk count _alloc sized the partials with; a macro read at compile only)
         ring = attention_ring_default(cfg, self.chunks, self.pk.kernel_config()) if self.short_attn_ring_default else {}
-        self.pk.defines = {**self.pk.defines, **check_defines(ring), **merge_active_default(cfg, self.chunks,
-                                                                                         self.tiles["attn_min_chunk"])}
+        merge = {**merge_shape_defines(cfg, self.chunks),
+                 **merge_active_default(cfg, self.chunks, self.tiles["attn_min_chunk"])}
+        self.pk.defines = {**self.pk.defines, **check_defines(ring), **merge, **check_defines(defines or {})}
         self.attn_ring_short = bool(ring)   # (compile() drops it where it would not build clean)
         self._build()
         self._host = None
