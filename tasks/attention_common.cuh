@@ -118,7 +118,9 @@ __device__ __forceinline__ bool merge_batched(const float* ml, const float* po, 
 }
 
 // The merge of one output with the shape (group G, head size HD, nchunks B) compiled in and C <= B chunks
-// holding positions: merge_point's arithmetic, in the same order.
+// holding positions: merge_point's arithmetic, in the same order. A few chunks (a short context with
+// min_chunk) take a batch of 4: the same loads and arithmetic in a quarter of the straight-line code, which a
+// body run once per layer fetches cold. (Not in merge_point: the kernel of every built-in type spilled.)
 template <int B, int G, int HD>
 __device__ __forceinline__ float merge_point_fixed(const float* ml, const float* po, int C) {
   float L = 0.f, O = 0.f;
@@ -136,11 +138,7 @@ constexpr int kMergeUnroll = kLowRegs ? 1 : 4;
 
 __device__ __forceinline__ float merge_point(const float* ml, const float* po, int C, int G, int HD) {
   float L = 0.f, O = 0.f;
-  // A few chunks (a short context with min_chunk) take a batch of 4: the same loads and arithmetic in a
-  // quarter of the straight-line code, which a body run once per layer fetches cold.
-  const bool done = C <= kMergeSmallBatch ? merge_batched<kMergeSmallBatch>(ml, po, C, G, HD, L, O)
-                                          : merge_batched<kMergeBatch>(ml, po, C, G, HD, L, O);
-  if (!done) {
+  if (!merge_batched<kMergeBatch>(ml, po, C, G, HD, L, O)) {
     float M = neg_inf();
 #pragma unroll(kMergeUnroll)
     for (int c = 0; c < C; ++c) M = fmaxf(M, ld_in_f32(ml + (long long)c * G * 2));
