@@ -177,7 +177,8 @@ def _attn_fused_ref(p) -> None:
         return
     p.arrivals[0] = 0
     G, hd, C = p.group, p.hd, p.nchunks
-    # (the device merges only the chunks holding positions; the empty ones' partials add exactly nothing)
+    # (only the chunks holding positions, as the device with MEGART_MERGE_ACTIVE: the empty ones' partials add
+    # exactly nothing, so merging all of them, as the device without it, gives the same values)
     kv_len = _kv_len(int(p.pos[0]), p.max_seq)
     active = C if p.chunk else active_chunks(C, kv_len, p.min_chunk)
     back = lambda view, n, total: view.as_strided(  # noqa: E731  (stride: a tagged out's values are every other half)

@@ -71,10 +71,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 // a step (bench/RESULTS.md, twenty-sixth session). Off where registers are scarce (128-register builds,
 // 128 threads): there the unrolled batch made ptxas spill.
 constexpr int kMergeBatch = (kLowRegs || MEGART_THREADS < 256) ? 0 : 16;
-#ifndef MEGART_MERGE_SMALL
-#define MEGART_MERGE_SMALL 4
-#endif
-constexpr int kMergeSmallBatch = kMergeBatch > MEGART_MERGE_SMALL ? MEGART_MERGE_SMALL : kMergeBatch;
+constexpr int kMergeSmallBatch = kMergeBatch > 4 ? 4 : kMergeBatch;  // (merge_point_fixed's few chunks)
 
 // A shape known at compile time (merge_if_last with MEGART_MERGE_C): the strides below fold into immediates.
 template <int V>

@@ -247,6 +247,27 @@ def test_short_attention_ring_where_chunks_fit():
     assert llama.LlamaModel.short_attn_ring_default and not llama_tp.LlamaTPRank.short_attn_ring_default
 
 
+def test_merge_macros_follow_the_shape_and_the_context():
+    """The model compiles its attention shape into the fused merge (group, head size, chunks), attention chunks
+    hold at least 64 positions, and the merge's count of chunks holding positions is compiled in only where
+    decoding starts below 64 x chunks positions; the caller's macros and tiles win."""
+    def build(name, **kw):
+        return llama.LlamaModel(llama.config(name), device="cpu", init="empty", nw=132, compile=False, **kw)
+    long_, short = build("1b"), build("1b_128")
+    for m in (long_, short):
+        assert {k: m.pk.defines[k] for k in ("MEGART_MERGE_G", "MEGART_MERGE_HD", "MEGART_MERGE_C")} == {
+            "MEGART_MERGE_G": "4", "MEGART_MERGE_HD": "64", "MEGART_MERGE_C": "16"}
+        assert m.tiles["attn_min_chunk"] == 64
+        att = [i for i in m.pk.graph.instances if i.type.name == "attention_decode"]
+        assert att and all(i.params["min_chunk"] == 64 for i in att)
+    assert "MEGART_MERGE_ACTIVE" not in long_.pk.defines and short.pk.defines["MEGART_MERGE_ACTIVE"] == "1"
+    assert llama.merge_active_default(llama.config("1b"), 16, 64) == {}              # prefill 2,048 > 1,024
+    assert llama.merge_active_default(llama.config("1b_128"), 16, 0) == {}           # no minimum: all chunks hold
+    assert build("1b", defines={"MEGART_MERGE_C": 0}).pk.defines["MEGART_MERGE_C"] == "0"
+    off = build("1b_128", tiles={"attn_min_chunk": 0})
+    assert "MEGART_MERGE_ACTIVE" not in off.pk.defines
+
+
 def test_short_attention_ring_falls_back_when_its_build_is_not_clean(monkeypatch):
     """Where the build beside the 32 KB ring spills (the stream declined) or does not fit (one slot shallower),
     compile() drops the short ring and builds the default one."""

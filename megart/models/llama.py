@@ -264,7 +264,7 @@ class LlamaModel:
         ring = attention_ring_default(cfg, self.chunks, self.pk.kernel_config()) if self.short_attn_ring_default else {}
         merge = {**merge_shape_defines(cfg, self.chunks),
                  **merge_active_default(cfg, self.chunks, self.tiles["attn_min_chunk"])}
-        self.pk.defines = {**self.pk.defines, **check_defines(ring), **merge, **check_defines(defines or {})}
+        self.pk.defines = {**self.pk.defines, **check_defines({**ring, **merge}), **check_defines(defines or {})}
         self.attn_ring_short = bool(ring)   # (compile() drops it where it would not build clean)
         self._build()
         self._host = None
