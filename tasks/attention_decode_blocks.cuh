@@ -38,6 +38,10 @@ constexpr bool kDiagNoKv = false;
 // Positions per dynamic chunk at kv_len: ceil(kv_len / nchunks), at least min_chunk (geometry/attention.py's
 // chunk_length): at a short context fewer chunks hold positions and the merge reads only theirs.
 template <class P>
+__device__ __forceinline__ int kv_length(const P& p, int pos) {  // pos + 1, within [0, max_seq]
+  return pos < 0 ? 0 : (pos >= p.max_seq ? p.max_seq : pos + 1);
+}
+template <class P>
 __device__ __forceinline__ int chunk_length(const P& p, int kv_len) {
   const int cl = (kv_len + p.nchunks - 1) / p.nchunks;
   return cl > p.min_chunk ? cl : p.min_chunk;
@@ -47,7 +51,7 @@ __device__ __forceinline__ int chunk_length(const P& p, int kv_len) {
 // body's, and the weight stream producer's when it loads the chunk's rows ahead (kv_stream_open).
 template <class P>
 __device__ __forceinline__ void chunk_range(const P& p, int pos, int& lo, int& hi) {
-  const int kv_len = pos < 0 ? 0 : (pos >= p.max_seq ? p.max_seq : pos + 1);
+  const int kv_len = kv_length(p, pos);
   if (p.chunk > 0) {
     lo = p.cidx * p.chunk;
     hi = lo + p.chunk;
@@ -273,7 +277,7 @@ __device__ __forceinline__ void merge_if_last(const P& p, char* smem, int pos) {
   // one's partials (m = -inf, l = o = 0) add exactly nothing, so the bits are the same.
   int C = p.nchunks;
   if (MEGART_MERGE_ACTIVE && p.chunk == 0) {
-    const int kv_len = pos < 0 ? 0 : (pos >= p.max_seq ? p.max_seq : pos + 1);
+    const int kv_len = kv_length(p, pos);
     if (p.min_chunk > 0 && kv_len <= p.min_chunk * C) {
       const int active = (kv_len + p.min_chunk - 1) / p.min_chunk;
       if (active < C) C = active > 0 ? active : 1;
