@@ -120,11 +120,14 @@ class PersistentKernel:
                                     tp=self.graph.world if self.graph.peer_events else 1)
 
     def _instance_macros(self) -> dict:
-        """The macros the graph's instances ask their types for (TaskType.macros_for)."""
+        """The macros the graph's instances ask their types for (TaskType.macros_for); where two types ask for
+        one macro, the larger value (each is a code path some instance needs: 1 = compiled in)."""
         out = {}
         for t in self.task_types:
             if t.macros_for:
-                out.update(t.macros_for([i.params for i in self.graph.instances if i.type is t]))
+                asked = t.macros_for([i.params for i in self.graph.instances if i.type is t], self.threads)
+                for name, value in asked.items():
+                    out[name] = max(out.get(name, value), value)
         return out
 
     def stream_layout(self) -> stream.StreamLayout:

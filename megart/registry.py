@@ -128,8 +128,9 @@ class TaskType:
     #                                   (attention_decode: blocks of K/V cache rows, megart_attn::kv_stream_open)
     smem_for: Callable | None = None  # smem_for(cfg) -> bytes, when it depends on the kernel config
     defines_for: Callable | None = None   # defines_for(cfg) -> {macro: value} this type's source needs
-    macros_for: Callable | None = None    # macros_for([params of the kernel's instances of this type]) ->
-    #                                       {macro: value}: code only some instances need, compiled in only then
+    macros_for: Callable | None = None    # macros_for([params of the kernel's instances of this type], threads)
+    #                                       -> {macro: int}: code only some instances need, compiled in only
+    #                                       then (types asking for one macro get the largest value)
     headers: tuple = ()               # shared device headers the body needs, emitted once per kernel
     hostsim: bool = False             # the body also compiles for the host (its PTX-only pieces have host forms
     #                                   under #ifndef __CUDA_ARCH__): the host simulation runs it (megart/emulate)

@@ -247,7 +247,7 @@ def _attn_defines(cfg) -> dict:
     return {**ring_defines(cfg), "MEGART_ATTN_NEW_ROW_OFFSET": new_row_offset(cfg)}
 
 
-def _attn_macros(params) -> dict:
+def _attn_macros(params, threads) -> dict:
     """The forms the graph's instances use: tagged (k_new given), and unstamped (no pos_stamp: K/V read by
     the body even where the stream carries the others')."""
     out = {}

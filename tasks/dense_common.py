@@ -86,6 +86,21 @@ def defines_for(cfg) -> dict:
             "MEGART_DENSE_RING_SLOT_BYTES": SLOT_BYTES}
 
 
+def whole_pairs_from(threads: int) -> int:
+    """Row pairs from which an instance deals whole pairs to its warps (tasks/dense_engines.cuh's
+    kWholePairsFrom: half the compute warps, plus one); fewer take the K-split path."""
+    return threads // 32 // 2 + 1
+
+
+def ksplit_macros(pairs):
+    """TaskType.macros_for of a matvec type whose instance `p` has pairs(p) row pairs: MEGART_DENSE_KSPLIT=1
+    when one of them would take the K-split path, else 0 (the path is ~80 KB of code that a step whose
+    instances all deal whole pairs never runs; the 1B step measured 8-15 us faster without it)."""
+    def macros(params, threads: int) -> dict:
+        return {"MEGART_DENSE_KSPLIT": int(any(pairs(p) < whole_pairs_from(threads) for p in params))}
+    return macros
+
+
 def wrappers(*weights: str, ring: bool):
     """TaskType.generated of a dense matvec type: megart_prefetch_<name>, thread 0 handing the head of each
     of `weights` (n x k elements) to the L2 prefetcher, each its share of kPrefetchBytes; with `ring`, also

@@ -47,6 +47,20 @@ __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs,
 // would be 1 (the same segments, the spare warps idle) and its combine through `red` behind two barriers made
 // those instances end last in the 1B step (o_proj and down dealt 7 pairs to some instances): whole pairs there.
 constexpr int kWholePairsFrom = kWarps / 2 + 1;
+// The K-split path costs ~80 KB of code in a kernel of every dense type (it is inlined into each engine);
+// codegen compiles it in only where an instance has fewer pairs (MEGART_DENSE_KSPLIT, set from the graph by
+// tasks/dense_common.py's ksplit_macros). Without it every instance deals whole pairs: the same results up
+// to the order of the sums, with some warps idle.
+#ifndef MEGART_DENSE_KSPLIT
+#define MEGART_DENSE_KSPLIT 1
+#endif
+__device__ __forceinline__ bool whole_pairs(int groups) {
+  return MEGART_DENSE_KSPLIT == 0 || groups >= kWholePairsFrom;
+}
+// K slice `part` of `split` over kc chunks: [slice_begin(part), slice_begin(part + 1)).
+__device__ __forceinline__ int slice_begin(int kc, int part, int split) {
+  return (int)((long long)kc * part / split);
+}
 
 // Split-K tail of a matvec (groups < kWholePairsFrom): every warp's summed partials go to `red`, then warp
 // g < groups adds the kWarps / groups partials of its group in a fixed order and runs epi. Ends synced.
@@ -124,12 +138,12 @@ struct Segment {
   int g, c0, c1;
 };
 __device__ __forceinline__ bool warp_segment(int groups, int kc, int warp, int k, Segment& s) {
-  if (groups >= kWholePairsFrom) {
+  if (whole_pairs(groups)) {
     s = Segment{warp + k * kWarps, 0, kc};
     return s.g < groups;
   }
   const int split = kWarps / groups, g = warp / split, part = warp - g * split;
-  s = Segment{g, (int)((long long)kc * part / split), (int)((long long)kc * (part + 1) / split)};
+  s = Segment{g, slice_begin(kc, part, split), slice_begin(kc, part + 1, split)};
   return k == 0 && g < groups;
 }
 
@@ -162,7 +176,7 @@ struct StageCursor {
 template <class Epi, class Consume>
 __device__ __forceinline__ void walk_segments(const StageCursor& st, int groups, float* red, Epi epi,
                                               Consume consume_segment) {
-  if (groups >= kWholePairsFrom) {
+  if (whole_pairs(groups)) {
     while (st.live) {
       const int g = st.s.g;
       float s[2] = {0.f, 0.f};
@@ -308,7 +322,7 @@ __device__ __forceinline__ void matvec_ring(int groups, int kc, const uint4* xs,
 template <bool FP8, class Rows, class Epi>
 __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, float* red, Rows rows, Epi epi) {
   const int warp = threadIdx.x >> 5;
-  if (groups >= kWholePairsFrom) {
+  if (whole_pairs(groups)) {
     for (int g = warp; g < groups; g += kWarps) {
       const void* w[2];
       rows(g, w);
@@ -323,7 +337,7 @@ __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, floa
   if (g < groups) {
     const void* w[2];
     rows(g, w);
-    dot2<FP8>(w, xs, (int)((long long)kc * part / split), (int)((long long)kc * (part + 1) / split), s);
+    dot2<FP8>(w, xs, slice_begin(kc, part, split), slice_begin(kc, part + 1, split), s);
     s[0] = warp_sum(s[0]);
     s[1] = warp_sum(s[1]);
   }
@@ -430,7 +444,7 @@ struct NoPre {
 template <class Pre>
 __device__ __forceinline__ void prefetch_epilogues(int groups, Pre pre) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (groups >= kWholePairsFrom) {  // whole pairs: warp w finishes groups w, w + kWarps, ...
+  if (whole_pairs(groups)) {  // whole pairs: warp w finishes groups w, w + kWarps, ...
     for (int g = warp + kWarps * lane; g < groups; g += 32 * kWarps) pre(g);
   } else if (lane == 0) {  // one K slice per warp: group warp / split
     const int split = kWarps / groups;

@@ -11,7 +11,7 @@ import torch
 
 from ..geometry.dense import EXPERT_ROWS  # group_gemm_m1: each expert's tile of `a` / `y` rows (row 0 live)
 from ..registry import Cost, TaskType, ptr, register, scalar
-from .dense_common import (source, defines_for, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_PARTS, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS,
+from .dense_common import (source, defines_for, ksplit_macros, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_PARTS, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS,
                            STAGE_SMEM, aligned, check_k, tagged_flags, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub,
                            wrappers, fold_pieces, fold_ref, FOLD_PARAMS)
 from .shapes import check_shape
@@ -20,6 +20,8 @@ from .tiling import even_tiles, require
 # GEMV types whose weights stream through the shared-memory ring (tasks/dense_engines.cuh): every type here
 # (group_gemm_m1 too: its active experts are a build-time list, so its rows are known before its wait).
 RING = dict(prewait=True, stream=True, smem_for=smem_for, defines_for=defines_for, smem_bytes=STAGE_SMEM)  # (smem_bytes: ring off)
+# ... with the row pairs of a pair-plan instance (tasks/dense_bodies.cuh's pair_plan: rows 2g, 2g + 1 of n)
+ROW_PAIRS = dict(RING, macros_for=ksplit_macros(lambda p: (p["n"] + 1) // 2))
 
 
 def _norm(p):
@@ -92,7 +94,7 @@ register(TaskType(
     source=source("gemv_m1"), headers=HEADERS, reference=_gemv_ref,
     split=lambda nw, tiles=1, y=None, w=None, x=None, residual=None, norm_weight=None, eps=1e-5:
         _gemv_split("gemv_m1", nw, tiles, y, w, x, residual, norm_weight, eps),
-    cost=_gemv_cost, prefetch=True, **RING,
+    cost=_gemv_cost, prefetch=True, **ROW_PAIRS,
     doc="y[N] = W[N,K] @ x (+ residual[N], may be y itself); with norm_weight, x is RMS-normalised first "
         "(each CTA reduces x itself; the normalised x is rounded to bf16). bf16 in/out, fp32 accumulation. "
         "Tiles over output rows."), builtin=True)
@@ -117,7 +119,7 @@ register(TaskType(
     source=source("gemv_m1_fp8"), headers=HEADERS, reference=_gemv_fp8_ref,
     split=lambda nw, tiles=1, y=None, w=None, scale=None, x=None, residual=None, norm_weight=None, eps=1e-5:
         _gemv_split("gemv_m1_fp8", nw, tiles, y, w, x, residual, norm_weight, eps, scale=scale, w_elem=1),
-    cost=_gemv_cost, prefetch=True, **RING,
+    cost=_gemv_cost, prefetch=True, **ROW_PAIRS,
     doc="y[N] = scale[N] * (W8[N,K] @ x) (+ residual): pre-quantised e4m3 weights with per-output-channel "
         "f32 scales; same options as gemv_m1. K must be a multiple of 16."), builtin=True)
 
@@ -168,7 +170,7 @@ register(TaskType(
     params=(ptr("y", "bf16", "out"), ptr("w", "bf16", "weight"), ptr("a", "bf16", "in"),
             scalar("n"), scalar("k")),
     source=source("group_gemm_m1"), headers=HEADERS, reference=_group_ref, split=_group_split, cost=_group_cost,
-    prefetch=True, **RING,
+    prefetch=True, **ROW_PAIRS,
     doc=f"Routed MoE expert GEMM in decode geometry: y[e*{EXPERT_ROWS}, :] = W[e] @ a[e*{EXPERT_ROWS}, :] for "
         "each expert e in `active` (build-time list); only the live row is computed, only active experts' "
         "weights are read. `tiles` instances in all, dealt evenly over the active experts (>= 1 each)."),
@@ -226,7 +228,7 @@ register(TaskType(
             ptr("x", "bf16", "in", tagged=True), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), *FOLD_PARAMS),
     source=source("gate_up_silu"), headers=HEADERS, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
-    prefetch=True, **RING,
+    prefetch=True, **RING, macros_for=ksplit_macros(lambda p: p["n"]),
     doc="h[F] = silu(Wg[F,K] x) * (Wu[F,K] x), gate and up kept in fp32 registers (never stored); optional "
         "RMSNorm prologue as gemv_m1. With parts (tp f32 slots of K) and x_out, a tensor-parallel all-reduce is "
         "folded in: x + parts[0] + ... + parts[tp-1] (rank order, one bf16 rounding, as tp_sum_f32) is what is "
@@ -242,7 +244,7 @@ register(TaskType(
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), *FOLD_PARAMS),
     source=source("gate_up_silu_fp8"), headers=HEADERS, reference=_gate_up_ref,
     split=lambda nw, tiles=1, **kw: _gate_up_split(nw, tiles, task="gate_up_silu_fp8", **kw), cost=_gate_up_cost,
-    prefetch=True, **RING,
+    prefetch=True, **RING, macros_for=ksplit_macros(lambda p: p["n"]),
     doc="h[F] = silu(s_gate[F] * (Wg8[F,K] x)) * (s_up[F] * (Wu8[F,K] x)): gate_up_silu with pre-quantised e4m3 "
         "weights and per-row f32 scales (gemv_m1_fp8's format), gate and up kept in fp32. K must be a "
         "multiple of 16. Tiles over F."), builtin=True)
@@ -310,7 +312,7 @@ register(TaskType(
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in", tagged=True), ptr("part_val", "f32", "out"),
             ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),
-    source=source("lm_head_argmax"), headers=HEADERS, reference=_lm_ref, split=_lm_split, cost=_lm_cost, prefetch=True, **RING,
+    source=source("lm_head_argmax"), headers=HEADERS, reference=_lm_ref, split=_lm_split, cost=_lm_cost, prefetch=True, **ROW_PAIRS,
     doc="LM head over vocab rows of W[V,d] (tied: the embedding table) with the final RMSNorm optionally "
         "fused: each instance writes its max logit and its row (ties: lowest) to part_val[i]/part_idx[i], "
         "and, if `logits` is given, the f32 logits of its rows. part_val/part_idx have one entry per "
@@ -326,7 +328,7 @@ register(TaskType(
             scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),
     source=source("lm_head_argmax_fp8"), headers=HEADERS, reference=_lm_ref,
     split=lambda nw, tiles=1, **kw: _lm_split(nw, tiles, task="lm_head_argmax_fp8", **kw), cost=_lm_cost,
-    prefetch=True, **RING,
+    prefetch=True, **ROW_PAIRS,
     doc="lm_head_argmax over a pre-quantised e4m3 head W8[V,d] with per-row f32 scales (logit = scale * "
         "(W8 x)): half the LM head's bytes. K must be a multiple of 16."), builtin=True)
 

@@ -17,7 +17,7 @@ import torch
 from ..registry import Cost, TaskType, ptr, register, scalar
 from ..tensors import as_ref
 from .dense_common import HEADERS, SCRATCH_BYTES, source, sum_parts, wrappers
-from .dense_matvec import RING, _gemv_cost, _gemv_split
+from .dense_matvec import ROW_PAIRS, _gemv_cost, _gemv_split
 from .tiling import even_tiles, require
 
 
@@ -145,7 +145,7 @@ register(TaskType(
     params=(ptr("y", "f32", "out"), ptr("w", "bf16", "weight"), ptr("x", "bf16", "in"),
             ptr("peer", "f32", "out", optional=True), scalar("n"), scalar("k")),
     source=source("gemv_partial"), headers=HEADERS, reference=_partial_ref, split=_partial_split,
-    cost=_gemv_cost, prefetch=True, **RING,
+    cost=_gemv_cost, prefetch=True, **ROW_PAIRS,
     doc="y[N] = W[N,K] @ x, f32 out with no rounding (gemv_m1's engine; no residual, no norm): a "
         "row-parallel rank's partial, finished by tp_sum_f32. With `peer` (a peer GPU's slot), each row is "
         "stored there too and the instance fences at system scope, so a peer signal publishes it. Tiles over "

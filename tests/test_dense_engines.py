@@ -156,8 +156,8 @@ def test_hostsim_catches_a_divergent_barrier(tmp_path, engine):
                       "  unsigned j = stream_read_begin(warp);\n  if (threadIdx.x == 3) return;")
         defines = STREAM(2)
     else:                       # matvec
-        src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5;\n  if (groups >= kWholePairsFrom) {",
-                      "  const int warp = threadIdx.x >> 5;\n  if (threadIdx.x == 3) return;\n  if (groups >= kWholePairsFrom) {")
+        src = _broken(tmp_path, "  const int warp = threadIdx.x >> 5;\n  if (whole_pairs(groups)) {",
+                      "  const int warp = threadIdx.x >> 5;\n  if (threadIdx.x == 3) return;\n  if (whole_pairs(groups)) {")
         defines = REGISTERS
     with pytest.raises(dense_hostsim.HostSimError, match="barrier"):
         dense_hostsim.run(_one_gemv(src, defines))
@@ -249,6 +249,36 @@ def test_an_instance_of_more_pairs_than_half_the_warps_deals_whole_pairs(n):
         few, eight = run(defines, n), run(defines, 16)
         assert geo.relerr(few["y"], geo.ref_gemv(w16[:n], x, residual=res16[:n])) < 1e-2
         assert torch.equal(few["y"], eight["y"][:n]) and torch.equal(few["h"], eight["h"][:n]), defines
+
+
+@pytest.mark.parametrize("threads,rows,ksplit", [(256, 8, 1), (256, 10, 0), (128, 4, 1), (128, 6, 0)])
+def test_the_k_split_path_is_compiled_in_only_where_an_instance_takes_it(threads, rows, ksplit):
+    """An instance with fewer row pairs than half the warps plus one (4 at 8 warps, 2 at 4 warps) splits K; the
+    code of that path (inlined into every engine) is compiled in only when the graph has one. A type asking for
+    it wins over one that does not (gate_up_silu here has 16 pairs), and its output is right either way."""
+    w, x = geo.dense_m1(rows, 512, seed=11)
+    wg, _ = geo.dense_m1(32, 512, seed=12)
+    pk = megart.PersistentKernel(nw=1, device="cpu", threads=threads)
+    X = pk.tensor(x, "x")
+    pk.task("gate_up_silu", h=pk.tensor(torch.zeros(32, dtype=torch.bfloat16), "h"), w_gate=pk.tensor(wg, "wg"),
+            w_up=pk.tensor(wg, "wu"), x=X)
+    pk.task("gemv_m1", y=pk.tensor(torch.zeros(rows, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"), x=X)
+    assert pk.kernel_config().defines["MEGART_DENSE_KSPLIT"] == ksplit
+    pk.compile()
+    assert f"#define MEGART_DENSE_KSPLIT {ksplit}" in pk.source.text
+    assert geo.relerr(dense_hostsim.run(pk, steps=1)["y"], geo.ref_gemv(w, x)) < 1e-2
+
+
+def test_ksplit_macros_mirror_the_whole_pairs_rule():
+    """tasks/dense_common.py's whole_pairs_from is tasks/dense_engines.cuh's kWholePairsFrom (half the warps
+    plus one) and the user may not set the macro (it must agree with the instances)."""
+    from megart.tasks import dense_common as dc
+    assert [dc.whole_pairs_from(t) for t in (96, 128, 256, 512)] == [2, 3, 5, 9]
+    asks = dc.ksplit_macros(lambda p: p["n"])
+    assert asks([{"n": 4}, {"n": 9}], 256) == {"MEGART_DENSE_KSPLIT": 1}
+    assert asks([{"n": 4}, {"n": 9}], 128) == {"MEGART_DENSE_KSPLIT": 0}
+    with pytest.raises(megart.ConfigError, match="MEGART_DENSE_KSPLIT"):
+        megart.PersistentKernel(nw=1, device="cpu", defines={"MEGART_DENSE_KSPLIT": 0})
 
 
 def test_weight_ring_sizing():

@@ -499,5 +499,5 @@ def test_pos_stamp_is_one_tagged_word_and_chooses_the_forms_compiled_in():
     _raises(lambda: pk.task("pos_advance", pos=t["pos"], pos_next=plain, pos_stamp=plain),
             "pos_stamp must be one tagged word")
     attn = megart.registry.get("attention_decode")
-    assert attn.macros_for([{"pos_stamp": None}, {"pos_stamp": two}]) == {"MEGART_ATTN_UNSTAMPED": 1}
-    assert attn.macros_for([{"pos_stamp": two, "k_new": two}]) == {"MEGART_ATTN_TAGGED": 1}
+    assert attn.macros_for([{"pos_stamp": None}, {"pos_stamp": two}], 256) == {"MEGART_ATTN_UNSTAMPED": 1}
+    assert attn.macros_for([{"pos_stamp": two, "k_new": two}], 256) == {"MEGART_ATTN_TAGGED": 1}
