@@ -3,6 +3,8 @@ task type, the task bodies, the dispatch switch and the entry point, all from th
 Every chunk's origin is recorded so compile errors can be mapped back to the file they came from."""
 from __future__ import annotations
 
+import struct
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,9 +63,24 @@ class _Writer:
         return Source("\n".join(self.lines) + "\n", self.chunks)
 
 
-def params_struct(t: TaskType, streamed: bool = False) -> str:
-    """The C++ parameter struct of `t`; with `streamed`, also the trait that puts its body on the stream."""
-    fields = "\n".join(f"  {p.c_decl()}" for p in t.params) or "  int _unused;"
+def _c_literal(kind: str, value) -> str:
+    if kind == "f32":
+        return float(struct.unpack("<f", struct.pack("<f", float(value)))[0]).hex() + "f"
+    return f"{int(value)}" + ("ll" if kind == "i64" else "")
+
+
+def params_struct(t: TaskType, streamed: bool = False, constants: dict | None = None) -> str:
+    """The C++ parameter struct of `t`; with `streamed`, also the trait that puts its body on the stream.
+    A scalar in `constants` becomes a static constexpr member of that value (its packed field renamed)."""
+    constants = constants or {}
+
+    def decl(p) -> str:
+        if p.name not in constants:
+            return p.c_decl()
+        ctype = registry.SCALAR_KINDS[p.kind]
+        return (f"static constexpr {ctype} {p.name} = {_c_literal(p.kind, constants[p.name])}; "
+                + p.c_decl().replace(f" {p.name};", f" _packed_{p.name};", 1))
+    fields = "\n".join(f"  {decl(p)}" for p in t.params) or "  int _unused;"
     out = (f"struct {t.struct_name} {{  // task {t.name!r}, id {t.id}\n{fields}\n}};\n"
            f"static_assert(sizeof({t.struct_name}) <= megart::kParamWords * 8, \"params of {t.name} too large\");")
     if streamed:
@@ -167,7 +184,7 @@ def generate(types: list[TaskType], cfg: KernelConfig, overrides: dict | None = 
     for t in types:
         if t.id in registry.NO_BODY:
             continue
-        w.add(params_struct(t, t.name in streamed), f"tasks/ ({t.name} declaration)")
+        w.add(params_struct(t, t.name in streamed, cfg.constants.get(t.name)), f"tasks/ ({t.name} declaration)")
         text, path = read_source(overrides.get(t.name, t.source), root)
         w.add(text, str(path))
         if t.generated:   # device functions derived from the declaration (they may use the body's plan_<name>)

@@ -13,6 +13,7 @@ class KernelConfig:
     min_blocks: int = 1         # __launch_bounds__ minimum CTAs per SM (2 when nw exceeds the SM count)
     defines: dict = field(default_factory=dict)   # tuning macros (e.g. MEGART_PREFETCH_KB), part of the cache key
     tp: int = 1                 # ranks of a tensor-parallel group, when the graph uses peer events (MEGART_TP)
+    constants: dict = field(default_factory=dict)  # {type name: {scalar param: value}} compiled in (codegen)
 
 
 def env_defines() -> dict:

@@ -115,9 +115,28 @@ class PersistentKernel:
         if self.stream_declined or self.stream_shallower is not None:
             defines = {**defines, "MEGART_STREAM_SLOTS": "0" if self.stream_declined else str(self.stream_shallower)}
         defines = {**self._instance_macros(), **defines}
-        return codegen.KernelConfig(threads=self.threads, profile=self.profiling,
-                                    min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=defines,
-                                    tp=self.graph.world if self.graph.peer_events else 1)
+        cfg = codegen.KernelConfig(threads=self.threads, profile=self.profiling,
+                                   min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=defines,
+                                   tp=self.graph.world if self.graph.peer_events else 1)
+        if config.macro_on(cfg, "MEGART_SPECIALIZE"):   # (opt-in: see docs/ARCHITECTURE.md)
+            cfg.constants = self._uniform_scalars()
+        return cfg
+
+    def _uniform_scalars(self) -> dict:
+        """{type name: {scalar: value}} for each scalar param every instance of the type gives one value."""
+        out = {}
+        for t in self.task_types:
+            insts = [i.params for i in self.graph.instances if i.type is t]
+            same = {}
+            for p in t.params:
+                if p.kind == "ptr":
+                    continue
+                vals = {i.get(p.name) for i in insts}
+                if len(vals) == 1 and None not in vals:
+                    same[p.name] = vals.pop()
+            if same:
+                out[t.name] = same
+        return out
 
     def _instance_macros(self) -> dict:
         """The macros the graph's instances ask their types for (TaskType.macros_for); where two types ask for

@@ -101,3 +101,36 @@ def test_kernel_defines_types_first_then_the_callers_macros():
     assert asked["MEGART_DENSE_RING_SLOTS"] == 2 and asked["MEGART_ATTN_RING_BYTES"] == 0
     assert asked["MEGART_DENSE_RING_OFFSET"] == dense_common.RING_OFFSET
     assert registry.get("gemv_m1").shared_bytes(cfg) == dense_common.smem_for(cfg) > dense_common.STAGE_SMEM
+
+
+def test_specialize_compiles_in_the_scalars_every_instance_of_a_type_shares():
+    """MEGART_SPECIALIZE=1: a scalar param that every instance of a type gives one value becomes a static
+    constexpr member of the type's params struct (the packed field kept under another name, so the descriptors
+    do not change); one that differs stays a field. The host-run bodies, built from the same structs, give the
+    bits of the unspecialized kernel."""
+    import torch
+    from megart.emulate import hostsim
+    from megart.geometry import dense as geo
+    w, x = geo.dense_m1(10, 512, seed=1)
+    wg, _ = geo.dense_m1(8, 512, seed=2)
+    outs, texts = [], []
+    for defines in ({}, {"MEGART_SPECIALIZE": 1}):
+        pk = megart.PersistentKernel(nw=2, device="cpu", defines=defines)
+        X = pk.tensor(x, "x")
+        pk.task("gemv_m1", y=pk.tensor(torch.zeros(10, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"), x=X,
+                tiles=3)   # n = 4, 4, 2: not shared
+        pk.task("gate_up_silu", h=pk.tensor(torch.zeros(8, dtype=torch.bfloat16), "h"), w_gate=pk.tensor(wg, "wg"),
+                w_up=pk.tensor(wg, "wu"), x=X, tiles=2, eps=1e-6)   # n = 4, 4: shared
+        pk.compile()
+        assert pk.report.spill_bytes == 0
+        texts.append(pk.source.text)
+        outs.append({k: v.clone() for k, v in hostsim.run(pk, steps=1).items()})
+    plain, special = texts
+    assert "static constexpr" not in plain.split("struct megart_params_gemv_m1 ")[1].split("};")[0]
+    gemv = special.split("struct megart_params_gemv_m1 ")[1].split("};")[0]
+    gate_up = special.split("struct megart_params_gate_up_silu ")[1].split("};")[0]
+    assert "static constexpr int k = 512; int _packed_k;" in gemv and "  int n; int _pad_n;" in gemv
+    assert "static constexpr int n = 4; int _packed_n;" in gate_up
+    assert f"static constexpr float eps = {float(torch.tensor(1e-6).item()).hex()}f;" in gate_up
+    for name in ("y", "h"):
+        assert torch.equal(outs[0][name], outs[1][name]), name

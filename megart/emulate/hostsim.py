@@ -270,13 +270,15 @@ def _case(t: registry.TaskType, streamed: bool) -> str:
 
 
 def source(types: list, threads: int = 256, overrides: dict | None = None, defines: dict | None = None,
-           streamed: tuple | None = None) -> str:
+           streamed: tuple | None = None, constants: dict | None = None) -> str:
     """The host translation unit: prelude, layout, then (like codegen) each type's params struct and
     device source (`overrides`: task name -> replacement source, as PersistentKernel(source_overrides=);
     `defines`: the kernel's macros, e.g. the weight ring's slot count; `streamed`: the names of the types on
     the weight stream, as the kernel's layout has them; by default every stream type not overridden, the
-    "kv" format only with MEGART_STREAM_KV, as megart/stream.py's layout)."""
+    "kv" format only with MEGART_STREAM_KV, as megart/stream.py's layout; `constants`: the scalars compiled
+    in, KernelConfig.constants)."""
     from ..codegen import params_struct, stream_open
+    constants = constants or {}
     overrides = overrides or {}
     defines = defines or {}
     macros = "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items()))
@@ -296,7 +298,7 @@ def source(types: list, threads: int = 256, overrides: dict | None = None, defin
         parts.append(registry.header_prelude(rel) + read_source(overrides.get(rel, rel))[0])
     seen = set()
     for t in types:
-        parts.append(params_struct(t, t in streamed))
+        parts.append(params_struct(t, t in streamed, constants.get(t.name)))
         text, path = read_source(overrides.get(t.name, t.source))
         if text not in seen:                  # (the text, not its path, so the cache key is path-free)
             seen.add(text)
@@ -341,11 +343,11 @@ CXX_FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-w")
 
 
 def library(types: list | None = None, threads: int = 256, overrides: dict | None = None,
-            defines: dict | None = None, streamed: tuple | None = None) -> ctypes.CDLL:
+            defines: dict | None = None, streamed: tuple | None = None, constants: dict | None = None) -> ctypes.CDLL:
     """The host-compiled bodies of `types` (default: every simulated type), cached on disk by the hash of
     the translation unit, the compiler and its flags, and per process."""
     types = simulated_types() if types is None else types
-    src = source(types, threads, overrides, defines, streamed)
+    src = source(types, threads, overrides, defines, streamed, constants)
     cxx = os.environ.get("CXX", "g++")
     key = hashlib.sha256((cxx + "\0" + " ".join(CXX_FLAGS) + "\0" + src).encode()).hexdigest()[:24]
     if key in _LIBS:
@@ -406,7 +408,7 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
     cfg = pk.kernel_config()
     defines = kernel_defines(pk.task_types, cfg, pk.source_overrides)   # the macros codegen gave the kernel
     lay = stream_layout(pk.task_types, cfg, pk.source_overrides)
-    lib = library(sim, pk.threads, overrides, defines, lay.types) if sim else None   # (None: references only)
+    lib = library(sim, pk.threads, overrides, defines, lay.types, cfg.constants) if sim else None   # (None: refs only)
     desc, starts = pack_descriptors(s)
     off = header_offsets()
     hdr = desc[:, : HEADER_INTS // 2].view(np.int32)
