@@ -119,7 +119,9 @@ class PersistentKernel:
                                    min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=defines,
                                    tp=self.graph.world if self.graph.peer_events else 1)
         if config.macro_on(cfg, "MEGART_SPECIALIZE"):   # (opt-in: see docs/ARCHITECTURE.md)
-            cfg.constants = self._uniform_scalars()
+            skip = options.specialize_skip(config.caller_macros(cfg).get("MEGART_SPECIALIZE_SKIP", ""))
+            cfg.constants = {t: {k: v for k, v in c.items() if t not in skip and f"{t}.{k}" not in skip}
+                             for t, c in self._uniform_scalars().items()}
         return cfg
 
     def _uniform_scalars(self) -> dict:

@@ -114,3 +114,21 @@ def check_overrides(overrides) -> dict:
         raise ConfigError(f"source_overrides: {', '.join(repr(k) for k in unknown)} names no task type or shared "
                           f"header; valid keys: {', '.join(sorted(valid))}")
     return dict(overrides)
+
+
+def specialize_skip(text: str) -> set:
+    """MEGART_SPECIALIZE_SKIP="attention_decode.max_seq+gemv_m1": the task types (name) and scalars
+    (type.param) that MEGART_SPECIALIZE leaves as fields, each checked against the registry."""
+    from .registry import RegistryError, get
+    out = set()
+    for item in filter(None, (x.strip() for x in str(text).split("+"))):
+        name, _, param = item.partition(".")
+        try:
+            t = get(name)
+        except RegistryError:
+            raise ConfigError(f"MEGART_SPECIALIZE_SKIP: {item!r}: no task type named {name!r}") from None
+        if param and param not in {p.name for p in t.params if p.kind != "ptr"}:
+            raise ConfigError(f"MEGART_SPECIALIZE_SKIP: {item!r}: {name} has no scalar param {param!r} (its "
+                              f"scalars: {', '.join(p.name for p in t.params if p.kind != 'ptr')})")
+        out.add(item)
+    return out

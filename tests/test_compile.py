@@ -134,3 +134,28 @@ def test_specialize_compiles_in_the_scalars_every_instance_of_a_type_shares():
     assert f"static constexpr float eps = {float(torch.tensor(1e-6).item()).hex()}f;" in gate_up
     for name in ("y", "h"):
         assert torch.equal(outs[0][name], outs[1][name]), name
+
+
+def test_specialize_skip_leaves_the_named_types_and_scalars_as_fields():
+    """MEGART_SPECIALIZE_SKIP="type+type.param" keeps those scalars packed fields (to find which constant a
+    specialized build's speed comes from); a name that is not a task type or a scalar of it is refused."""
+    import torch
+    w, x = torch.randn(8, 256).bfloat16(), torch.randn(256).bfloat16()
+
+    def constants(skip):
+        defines = {"MEGART_SPECIALIZE": 1, **({"MEGART_SPECIALIZE_SKIP": skip} if skip else {})}
+        pk = megart.PersistentKernel(nw=2, device="cpu", defines=defines)
+        X = pk.tensor(x, "x")
+        pk.task("gemv_m1", y=pk.tensor(torch.zeros(8, dtype=torch.bfloat16), "y"), w=pk.tensor(w, "w"), x=X, tiles=2)
+        pk.task("gate_up_silu", h=pk.tensor(torch.zeros(8, dtype=torch.bfloat16), "h"), w_gate=pk.tensor(w, "wg"),
+                w_up=pk.tensor(w, "wu"), x=X, tiles=2)
+        return pk.kernel_config().constants
+
+    both = constants("")
+    assert both["gemv_m1"]["k"] == 256 and both["gate_up_silu"]["k"] == 256
+    some = constants("gemv_m1+gate_up_silu.k")
+    assert some["gemv_m1"] == {} and "k" not in some["gate_up_silu"] and some["gate_up_silu"]["n"] == 4
+    with pytest.raises(megart.ConfigError, match="no task type named 'gemv'"):
+        constants("gemv")
+    with pytest.raises(megart.ConfigError, match="gemv_m1 has no scalar param 'w'"):
+        constants("gemv_m1.w")
