@@ -124,11 +124,17 @@ class PersistentKernel:
                              for t, c in self._uniform_scalars().items()}
         return cfg
 
+    def _params_by_type(self) -> list:
+        """[(task type, [params of each of the graph's instances of it, in program order])], by type id."""
+        by_id = {}
+        for i in self.graph.instances:
+            by_id.setdefault(i.type.id, (i.type, []))[1].append(i.params)
+        return [by_id[k] for k in sorted(by_id)]
+
     def _uniform_scalars(self) -> dict:
         """{type name: {scalar: value}} for each scalar param every instance of the type gives one value."""
         out = {}
-        for t in self.task_types:
-            insts = [i.params for i in self.graph.instances if i.type is t]
+        for t, insts in self._params_by_type():
             same = {}
             for p in t.params:
                 if p.kind == "ptr":
@@ -144,10 +150,9 @@ class PersistentKernel:
         """The macros the graph's instances ask their types for (TaskType.macros_for); where two types ask for
         one macro, the larger value (each is a code path some instance needs: 1 = compiled in)."""
         out = {}
-        for t in self.task_types:
+        for t, insts in self._params_by_type():
             if t.macros_for:
-                asked = t.macros_for([i.params for i in self.graph.instances if i.type is t], self.threads)
-                for name, value in asked.items():
+                for name, value in t.macros_for(insts, self.threads).items():
                     out[name] = max(out.get(name, value), value)
         return out
 

@@ -97,7 +97,8 @@ def ksplit_macros(pairs):
     when one of them would take the K-split path, else 0 (the path is ~80 KB of code that a step whose
     instances all deal whole pairs never runs; the 1B step measured 8-15 us faster without it)."""
     def macros(params, threads: int) -> dict:
-        return {"MEGART_DENSE_KSPLIT": int(any(pairs(p) < whole_pairs_from(threads) for p in params))}
+        least = whole_pairs_from(threads)
+        return {"MEGART_DENSE_KSPLIT": int(any(pairs(p) < least for p in params))}
     return macros
 
 
