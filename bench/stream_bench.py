@@ -1,6 +1,6 @@
 """The Llama decode step under several kernel macro sets (weight engines), one process, one floor.
 
-    PYTHONPATH=. python bench/stream_bench.py [--configs 1b] [--steps 200] [--phases | --waits] [--json out.json]
+    PYTHONPATH=. python bench/stream_bench.py [--configs 1b] [--steps 200] [--phases | --waits | --occupancy] [--json out.json]
         [--variants "default;MEGART_STREAM_SLOTS=0;MEGART_STREAM_SLOTS=0,MEGART_DENSE_RING_SLOTS=3"]
 
 Per config the weights and the KV prefix are made once; per variant (a MEGART_DEFINES-style list, or
@@ -13,7 +13,8 @@ done; attention: K/V attended / partials stored and arrival counted; summed over
 MEGART_PHASE_MARKS=2 splits it at the first and the last compute warp to finish its dots instead); with
 --waits it splits each streamed call's body by where the compute warps spent it instead
 (MEGART_STREAM_WAITS=1): before their first weight stage (x staging, the input's wait), waiting for stages,
-reading them (dots), the rest.
+reading them (dots), the rest; with --occupancy (MEGART_STREAM_WAITS=2) it counts the stages each compute warp's
+ring held, landed and issued, when the warp began reading each streamed instance (how far the stream ran ahead).
 That per-call table is how the engines are compared: which calls got slower or faster, and whether the
 difference is in the body (bytes arriving) or in the wait (the producer of the input). With --spans DIR the
 profiled build's raw span records are saved there and bench/spans_report.py's tables printed (per worker, one
@@ -110,17 +111,39 @@ def stream_waits(m, prof) -> list:
     return out
 
 
+def stream_occupancy(m, prof) -> list:
+    """Per call kind of a MEGART_STREAM_WAITS=2 build: what each compute warp's ring held when the warp began
+    reading the instance's stages (csrc/weight_stream.cuh stream_read_begin), mean over warps and instances:
+    stages already landed, and stages issued and not yet read (landed or in flight)."""
+    from megart.profile import INSTANCE, stream_wait_parts
+    rec = prof.records
+    labels, call_of = m.call_index(int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
+    ci = call_of[rec[:, INSTANCE]]
+    rec, ci = rec[ci >= 0], ci[ci >= 0]
+    kinds = np.array([m.call_kind(labels[c]) for c in ci])
+    landed, _, pending, warps = stream_wait_parts(rec).T
+    out = []
+    for kind in dict.fromkeys(kinds):
+        sel = kinds == kind
+        n = warps[sel].sum()
+        if n:
+            out.append(dict(kind=str(kind), warps=int(n), landed_per_warp=landed[sel].sum() / n,
+                            issued_unread_per_warp=pending[sel].sum() / n))
+    return out
+
+
 def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = None, model_kw=None) -> tuple:
     m, prof = profiled_steps(cfg, W, clone_kv(prefix), nw, steps, defines, **(model_kw or {}))
     if spans is not None:  # the raw records, with each instance's call label, for offline timelines
         labels, call_of = m.call_index()
         np.savez_compressed(spans, records=prof.records, call_of=call_of, labels=np.array(labels))
-    waits = stream_waits(m, prof) if int(defines.get("MEGART_STREAM_WAITS", 0) or 0) else []
+    mode = int(defines.get("MEGART_STREAM_WAITS", 0) or 0)
+    waits = stream_waits(m, prof) if mode == 1 else stream_occupancy(m, prof) if mode == 2 else []
     return m.call_breakdown(prof), median(list(prof.step_walls() / 1e3)), waits
 
 
 def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Path | None = None,
-                phases: bool = False, waits: bool = False) -> dict:
+                phases: bool = False, waits: int = 0) -> dict:
     defines, model_kw = split_variant(variant)
     overlap = model_kw.pop("overlap", True)
     timer = Timer(torch.device("cuda"))
@@ -140,7 +163,7 @@ def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Pat
     del m
     if profile:
         marks = ({"MEGART_PHASE_MARKS": defines.get("MEGART_PHASE_MARKS", 1)} if phases
-                 else {"MEGART_STREAM_WAITS": 1} if waits else {})
+                 else {"MEGART_STREAM_WAITS": waits} if waits else {})
         rec["calls"], rec["profiled_step_wall_us"], rec["stream_waits"] = profile_calls(
             cfg, W, prefix, nw, {**defines, **marks}, spans=spans, model_kw={**model_kw, "overlap": overlap})
     torch.cuda.empty_cache()
@@ -157,6 +180,9 @@ def calls_text(rec, phases: bool = False) -> str:
 
 
 def waits_text(rec) -> str:
+    if rec.get("stream_waits") and "landed_per_warp" in rec["stream_waits"][0]:   # (--occupancy)
+        return "\n".join([f"  {'kind':10s} {'landed':>8s} {'unread':>8s}   (stages per warp as its reads begin)"] + [
+            f"  {c['kind']:10s} {c['landed_per_warp']:8.2f} {c['issued_unread_per_warp']:8.2f}" for c in rec["stream_waits"]])
     rows = [f"  {'kind':10s} {'stages':>7s} {'body/wkr':>9s} {'before':>8s} {'st.wait':>8s} {'dots':>8s} {'rest':>8s}"]
     for c in rec.get("stream_waits", []):
         rows.append(f"  {c['kind']:10s} {c['stages']:7.0f} {c['body_per_worker_us']:9.1f} {c['before_first_us']:8.1f} "
@@ -176,11 +202,14 @@ def main(argv=None) -> int:
     ap.add_argument("--waits", action="store_true",
                     help="profile with MEGART_STREAM_WAITS=1 and print each streamed call's body split by where the "
                          "compute warps spent it")
+    ap.add_argument("--occupancy", action="store_true",
+                    help="profile with MEGART_STREAM_WAITS=2 and print how many of each warp's weight stages had "
+                         "landed (and were issued) when it began reading each streamed call's instance")
     ap.add_argument("--json", default=None)
     ap.add_argument("--spans", default=None, help="folder for each variant's raw span records (.npz)")
     args = ap.parse_args(argv)
-    if args.phases and args.waits:
-        ap.error("--phases and --waits both use the span records' mark words: choose one")
+    if args.phases + args.waits + args.occupancy > 1:
+        ap.error("--phases, --waits and --occupancy all use the span records' mark words: choose one")
     if not torch.cuda.is_available():
         log("stream_bench times the GPU; no CUDA device here")
         return 2
@@ -200,7 +229,7 @@ def main(argv=None) -> int:
                 spans = Path(args.spans) / f"{name}_{tag}.npz"
             try:
                 rec = run_variant(cfg, W, prefix, args.nw, variant, args.steps, bw, not args.no_profile, spans,
-                                  args.phases, args.waits)
+                                  args.phases, 2 if args.occupancy else int(args.waits))
             except Exception as exc:   # one variant that does not build or run must not hide the others
                 rec = dict(variant=variant, error=f"{type(exc).__name__}: {exc}")
                 log(f"[{name}] {v or 'default'}: {rec['error']}")
@@ -213,7 +242,7 @@ def main(argv=None) -> int:
                 f"(floor {rec['floor_us']:.0f}), relerr {rec['relerr_first_step']:.4f}, stream slots "
                 f"{rec['stream_slots']}, {rec['registers']} regs")
             log(calls_text(rec, args.phases))
-            if args.waits:
+            if args.waits or args.occupancy:
                 log(waits_text(rec))
             if spans is not None and spans.is_file():   # per worker, one layer, a layer's hops (bench/spans_report.py)
                 log(spans_report.report(spans))

@@ -24,14 +24,18 @@ __shared__ unsigned long long s_span_t[2];  // the instance's wait start and bod
 // lane 0 of each warp, ns summed over warps): word 0 the time waiting for weight stages to land, plus (the
 // time reading them: dots, from a stage's landing to its release) << kMarkHighShift; word 1 the time from the
 // body's begin to each warp's first stage request (x staging and the input's wait), plus (stages read) <<
-// kMarkHighShift (megart/layout.py MARK_HIGH_SHIFT).
+// kMarkHighShift (megart/layout.py MARK_HIGH_SHIFT). MEGART_STREAM_WAITS=2 counts what the ring holds instead,
+// when each warp first reads the instance's stages (stream_read_begin): word 0 the warp's stages already landed,
+// word 1 its stages issued and not yet read, plus 1 << kMarkHighShift per warp (summed over warps).
 #if defined(MEGART_PROFILE) && defined(MEGART_STREAM_WAITS) && MEGART_STREAM_WAITS
 #if defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS
 #error "MEGART_STREAM_WAITS and MEGART_PHASE_MARKS both use the span records' mark words: set one"
 #endif
 constexpr bool kStreamWaits = true;
+constexpr bool kStreamOccupancy = MEGART_STREAM_WAITS == 2;
 #else
 constexpr bool kStreamWaits = false;
+constexpr bool kStreamOccupancy = false;
 #endif
 // MEGART_PHASE_MARKS=2 (a diagnostic) stamps the warps' spread instead: mark 1 is reached by every compute
 // warp (a dense body's dots and epilogues done), and the record keeps the first warp's time as mark 0 and the

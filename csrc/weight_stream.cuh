@@ -183,19 +183,20 @@ __shared__ StreamShared s_stream;
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
 // MEGART_STREAM_WAITS (lane 0 of each compute warp): when the warp first asked for a stage in this instance
 // (0: not yet), and when it got the stage it is reading.
-__shared__ unsigned long long s_sw_first[kStreamWaits ? kStreamWarps : 1], s_sw_got[kStreamWaits ? kStreamWarps : 1];
+constexpr int kStampWarps = kStreamWaits && !kStreamOccupancy ? kStreamWarps : 1;  // (megart/stream.py reserves them)
+__shared__ unsigned long long s_sw_first[kStampWarps], s_sw_got[kStampWarps];
 #endif
 // Thread 0 at an instance's body begin / after its closing barrier (MEGART_STREAM_WAITS builds): clear the
 // warps' first requests; add to mark word 1 the time from the body's begin to each warp's first request.
 __device__ __forceinline__ void stream_waits_begin() {
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  if constexpr (kStreamWaits)
+  if constexpr (kStreamWaits && !kStreamOccupancy)
     for (int w = 0; w < kStreamWarps; ++w) s_sw_first[w] = 0;
 #endif
 }
 __device__ __forceinline__ void stream_waits_finish(unsigned long long body_begin) {
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  if constexpr (kStreamWaits)
+  if constexpr (kStreamWaits && !kStreamOccupancy)
     for (int w = 0; w < kStreamWarps; ++w)
       if (s_sw_first[w]) s_span_mark[1] += s_sw_first[w] - body_begin;
 #else
@@ -508,7 +509,21 @@ __device__ __forceinline__ void stream_note(int queue_pos, int type, int instanc
 // shared-memory count and no __syncwarp. Otherwise (inline production, the host simulation, one arrive)
 // stream_release keeps the shared count per stage as well.
 constexpr bool kCountInRegister = kProducerWarp && kFreeByBarrier && kEmptyArrivals == 32u;
-__device__ __forceinline__ unsigned stream_read_begin(int warp) { return s_stream.warp[warp].consumed; }
+__device__ __forceinline__ unsigned stream_read_begin(int warp) {
+  const unsigned j = s_stream.warp[warp].consumed;
+#if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
+  if constexpr (kStreamOccupancy) {  // (MEGART_STREAM_WAITS=2: the warp's ring as its reads begin)
+    if ((threadIdx.x & 31) == 0) {
+      const unsigned issued = *reinterpret_cast<volatile unsigned*>(&s_stream.warp[warp].issued);
+      unsigned long long landed = 0;
+      for (unsigned k = j; k != issued; ++k) landed += mbar_poll(stream_full(warp, (int)(k % kStreamSlots)), (k / kStreamSlots) & 1u);
+      atomicAdd(&s_span_mark[0], landed);
+      atomicAdd(&s_span_mark[1], (unsigned long long)(issued - j) + (1ull << kMarkHighShift));
+    }
+  }
+#endif
+  return j;
+}
 __device__ __forceinline__ void stream_read_end(int warp, unsigned j) {
   if constexpr (kCountInRegister) {
     __syncwarp();  // every lane has read the count (stream_read_begin) before lane 0 overwrites it: a warp
@@ -527,11 +542,12 @@ __device__ __forceinline__ const char* stream_acquire(int warp, unsigned j) {
     __syncwarp();
   }
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  const unsigned long long t0 = kStreamWaits ? globaltimer() : 0ull;  // (lane 0 times the wait; stream_release the read)
+  constexpr bool kTimed = kStreamWaits && !kStreamOccupancy;
+  const unsigned long long t0 = kTimed ? globaltimer() : 0ull;  // (lane 0 times the wait; stream_release the read)
 #endif
   stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, -1 - slot, warp, j);
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  if (kStreamWaits && (threadIdx.x & 31) == 0) {
+  if (kTimed && (threadIdx.x & 31) == 0) {
     const unsigned long long t1 = globaltimer();
     if (s_sw_first[warp] == 0) s_sw_first[warp] = t0;
     s_sw_got[warp] = t1;
@@ -546,7 +562,7 @@ __device__ __forceinline__ const char* stream_acquire(int warp, unsigned j) {
 // with inline production lane 0 also issues the next stages here.
 __device__ __forceinline__ void stream_release(int warp, unsigned j) {
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  if constexpr (kStreamWaits) {
+  if constexpr (kStreamWaits && !kStreamOccupancy) {
     if ((threadIdx.x & 31) == 0) {
       atomicAdd(&s_span_mark[0], (globaltimer() - s_sw_got[warp]) << kMarkHighShift);
       atomicAdd(&s_span_mark[1], 1ull << kMarkHighShift);  // (a stage read)

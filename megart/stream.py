@@ -120,7 +120,8 @@ def streams(t, cfg: KernelConfig, overrides: dict) -> bool:
 def static_reserve(cfg: KernelConfig, slots: int) -> int:
     """The static shared memory a kernel of `cfg` with `slots` ring slots per warp may use beside the dynamic
     (the ring is sized against it): the slots' mbarriers are static."""
-    waits = macro_on(cfg, "MEGART_STREAM_WAITS")   # (attention's staged new row is dynamic: its smem_for)
+    # (attention's staged new row is dynamic: its smem_for) MEGART_STREAM_WAITS=1 stamps per warp; =2 counts only
+    waits = str(caller_macros(cfg).get("MEGART_STREAM_WAITS", "0")).strip() == "1"
     warps = cfg.threads // 32
     kv = kv_streamed(cfg)
     return (STATIC_BASE + (WARP_STATE_BYTES + BARRIER_BYTES * slots) * warps

@@ -126,9 +126,9 @@ def test_the_tagged_attention_form_stages_its_new_row_past_the_ring_and_the_comp
 
 
 def test_stream_waits_is_a_profiled_diagnostic_apart_from_the_phase_marks(monkeypatch):
-    """MEGART_STREAM_WAITS (the profiler's per-warp stream accounting, bench/stream_bench.py --waits) changes a
-    profiled streamed build only, its stamps take their static shared memory from the ring's reserve, and it
-    cannot share the mark words with the phase marks."""
+    """MEGART_STREAM_WAITS (the profiler's per-warp stream accounting, bench/stream_bench.py --waits, and with 2
+    the ring's occupancy, --occupancy) changes a profiled streamed build only, the stamps of 1 take their static
+    shared memory from the ring's reserve, and it cannot share the mark words with the phase marks."""
     def cubin(profile, **defines):
         pk = megart.PersistentKernel(nw=4, device="cpu", profile=profile, defines={**STREAM("auto"), **defines})
         T = pk.tensor
@@ -137,10 +137,13 @@ def test_stream_waits_is_a_profiled_diagnostic_apart_from_the_phase_marks(monkey
                 tiles=4)
         assert pk.stream_layout().slots > 0
         return pk.compile().compiled.cubin
-    assert cubin(False, MEGART_STREAM_WAITS=1) == cubin(False)
-    assert cubin(True, MEGART_STREAM_WAITS=1) != cubin(True)
+    plain = cubin(False)
+    assert cubin(False, MEGART_STREAM_WAITS=1) == plain == cubin(False, MEGART_STREAM_WAITS=2)
+    profiled = {cubin(True, **({"MEGART_STREAM_WAITS": w} if w else {})) for w in (0, 1, 2)}
+    assert len(profiled) == 3   # (2 counts the ring's stages instead of timing them)
     waits = stream.static_reserve(KernelConfig(defines={"MEGART_STREAM_WAITS": 1}), 5)
     assert waits == stream.static_reserve(KernelConfig(), 5) + 8 * 16
+    assert stream.static_reserve(KernelConfig(defines={"MEGART_STREAM_WAITS": 2}), 5) == waits - 8 * 16
     with monkeypatch.context() as env:   # asked for through MEGART_DEFINES, the same reserve
         env.setenv("MEGART_DEFINES", "MEGART_STREAM_WAITS=1")
         assert stream.static_reserve(KernelConfig(), 5) == waits

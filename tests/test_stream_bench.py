@@ -55,3 +55,20 @@ def test_waits_split_the_mean_warps_time_per_call(bench):
     down = out["down"]
     assert down["stages"] == 4 and down["body_per_worker_us"] == pytest.approx(2.0) and down["read_us"] == 1.0
     assert "gate_up" in bench.waits_text({"stream_waits": list(out.values())})
+
+
+def test_occupancy_gives_each_calls_stages_per_warp_as_its_reads_begin(bench):
+    """A MEGART_STREAM_WAITS=2 record holds, summed over its warps, the stages landed (word 0) and the stages
+    issued and not yet read plus one per warp in the high half (word 1): --occupancy divides by the warps."""
+    labels = ["L0.gate_up", "L0.down"]
+    model = SimpleNamespace(nw=2, pk=SimpleNamespace(threads=64), call_kind=lambda lb: lb.split(".", 1)[1],
+                            call_index=lambda n=0: (labels, np.array([0, 0, 1])))
+    rows = [_record(0, 0, 1_000, 500, 1, wait=12, read=0, before=12, stages=2),   # 2 warps, 6 of 6 landed each
+            _record(1, 1, 1_000, 500, 1, wait=2, read=0, before=10, stages=2),    # 1 of 5 landed per warp
+            _record(2, 0, 2_000, 500, 1, wait=0, read=0, before=3, stages=1)]     # 1 warp: 0 of 3
+    prof = Profile(np.stack(rows), {1: "t"}, timed_marks=False)
+    out = {c["kind"]: c for c in bench.stream_occupancy(model, prof)}
+    assert out["gate_up"]["warps"] == 4 and out["gate_up"]["landed_per_warp"] == pytest.approx(3.5)
+    assert out["gate_up"]["issued_unread_per_warp"] == pytest.approx(5.5)
+    assert out["down"]["landed_per_warp"] == 0 and out["down"]["issued_unread_per_warp"] == 3
+    assert "landed" in bench.waits_text({"stream_waits": list(out.values())})
