@@ -30,8 +30,20 @@ extern "C" __global__ void coresident(unsigned* count, int total, int* out) {
     out[blockIdx.x * 3 + 2] = ok;
   }
 }
-// Ping-pong between cluster ranks 0 and 1 (one thread each) through distributed shared memory: each writes the
-// round number into the other's flag and waits for its own. out[0] = ns for n rounds.
+// One side of a flag ping-pong: the first side puts round i and waits for the other's i; the second waits, then
+// puts. Returns the ns the n rounds took.
+template <class Put, class Wait>
+__device__ unsigned long long pingpong(bool first, int n, Put put, Wait wait) {
+  const unsigned long long t0 = gt();
+  for (int i = 1; i <= n; ++i) {
+    if (first) put((unsigned)i);
+    wait((unsigned)i);
+    if (!first) put((unsigned)i);
+  }
+  return gt() - t0;
+}
+// Between cluster ranks 0 and 1 (one thread each) through distributed shared memory: each writes the round into
+// the other's flag and waits for its own. out[0] = ns for n rounds.
 extern "C" __global__ void pingpong_dsmem(int n, unsigned long long* out) {
   __shared__ unsigned flag;
   if (threadIdx.x == 0) flag = 0;
@@ -40,17 +52,10 @@ extern "C" __global__ void pingpong_dsmem(int n, unsigned long long* out) {
   if (threadIdx.x == 0 && r < 2) {
     unsigned local = (unsigned)__cvta_generic_to_shared(&flag), remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r ^ 1u));
-    unsigned long long t0 = gt();
-    for (int i = 1; i <= n; ++i) {
-      if (r == 0) {
-        asm volatile("st.release.cluster.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"((unsigned)i) : "memory");
-        unsigned v; do { asm volatile("ld.acquire.cluster.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(local) : "memory"); } while (v != (unsigned)i);
-      } else {
-        unsigned v; do { asm volatile("ld.acquire.cluster.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(local) : "memory"); } while (v != (unsigned)i);
-        asm volatile("st.release.cluster.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"((unsigned)i) : "memory");
-      }
-    }
-    if (r == 0) out[blockIdx.x / 2] = gt() - t0;
+    const unsigned long long ns = pingpong(r == 0, n,
+      [&](unsigned i) { asm volatile("st.release.cluster.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"(i) : "memory"); },
+      [&](unsigned i) { unsigned v; do { asm volatile("ld.acquire.cluster.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(local) : "memory"); } while (v != i); });
+    if (r == 0) out[blockIdx.x / 2] = ns;
   }
   asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
@@ -59,17 +64,10 @@ extern "C" __global__ void pingpong_global(int n, unsigned* flags, unsigned long
   const unsigned b = blockIdx.x;
   if (threadIdx.x == 0 && b < 2) {
     unsigned* mine = flags + 32 * b; unsigned* other = flags + 32 * (b ^ 1);
-    unsigned long long t0 = gt();
-    for (int i = 1; i <= n; ++i) {
-      if (b == 0) {
-        asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(other), "r"((unsigned)i) : "memory");
-        unsigned v; do { asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(mine) : "memory"); } while (v != (unsigned)i);
-      } else {
-        unsigned v; do { asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(mine) : "memory"); } while (v != (unsigned)i);
-        asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(other), "r"((unsigned)i) : "memory");
-      }
-    }
-    if (b == 0) out[0] = gt() - t0;
+    const unsigned long long ns = pingpong(b == 0, n,
+      [&](unsigned i) { asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(other), "r"(i) : "memory"); },
+      [&](unsigned i) { unsigned v; do { asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(mine) : "memory"); } while (v != i); });
+    if (b == 0) out[0] = ns;
   }
 }
 // A cluster barrier's cost: n arrive/wait rounds by every thread of every CTA of the cluster.
