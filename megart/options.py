@@ -42,6 +42,10 @@ OWNED_MACROS = {
 # code tests them as numbers (MEGART_LEAN_SYNC: one release fence per instance's signals, csrc/runtime.cuh).
 INT_MACROS = ("MEGART_DENSE_RING_SLOTS", "MEGART_ATTN_RING_BYTES", "MEGART_PREFETCH_KB", "MEGART_LEAN_SYNC",
               "MEGART_PHASE_MARKS", "MEGART_DIAG_NO_WAIT", "MEGART_STREAM_WAITS", "MEGART_STREAM_KV")
+# Profiler modes whose every value means something (csrc/runtime.cuh): another number would build a mode no
+# reader decodes, so it is refused.
+MODE_MACROS = {"MEGART_PHASE_MARKS": {0: "off", 1: "phase stamps", 2: "the warps' spread"},
+               "MEGART_STREAM_WAITS": {0: "off", 1: "stage times", 2: "ring occupancy"}}
 
 
 def check_defines(defines, origin: str = "defines") -> dict:
@@ -65,6 +69,9 @@ def check_defines(defines, origin: str = "defines") -> dict:
             raise ConfigError(f"{origin}: {name}={value!r}: the value must be one non-empty line")
         if name in INT_MACROS and not re.fullmatch(r"\d+", text):
             raise ConfigError(f"{origin}: {name}={value!r} must be a non-negative integer")
+        if name in MODE_MACROS and int(text) not in MODE_MACROS[name]:
+            modes = ", ".join(f"{k} ({v})" for k, v in MODE_MACROS[name].items())
+            raise ConfigError(f"{origin}: {name}={value!r} is not one of its modes: {modes}")
         out[name] = text
     return out
 

@@ -150,6 +150,8 @@ def test_item07_override_typo_is_an_error_listing_the_valid_keys(tmp_path):
     ({"X": "1\n#define Y 2"}, "one non-empty line"),
     ({"MEGART_DENSE_RING_SLOTS": "two"}, "non-negative integer"),
     ({"MEGART_LEAN_SYNC": "yes"}, "MEGART_LEAN_SYNC='yes' must be a non-negative integer"),
+    ({"MEGART_STREAM_WAITS": 3}, r"MEGART_STREAM_WAITS=3 is not one of its modes: 0 \(off\), 1 \(stage times\), 2"),
+    ({"MEGART_PHASE_MARKS": "7"}, "MEGART_PHASE_MARKS='7' is not one of its modes"),
 ])
 def test_item08_owned_or_malformed_defines_are_refused(defines, match):
     with pytest.raises(ConfigError, match=match):
