@@ -83,17 +83,23 @@ def split_variant(variant: dict) -> tuple[dict, dict]:
     return {k: v for k, v in variant.items() if k.startswith("MEGART_")}, model
 
 
+def records_by_kind(m, prof) -> tuple:
+    """(the profile's records of the model's calls, each record's call kind)."""
+    from megart.profile import INSTANCE
+    rec = prof.records
+    labels, call_of = m.call_index(int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
+    ci = call_of[rec[:, INSTANCE]]
+    rec, ci = rec[ci >= 0], ci[ci >= 0]
+    return rec, np.array([m.call_kind(labels[c]) for c in ci])
+
+
 def stream_waits(m, prof) -> list:
     """Per call kind of a MEGART_STREAM_WAITS build, per step (summed over layers), us: the weight stages
     read, and the mean worker's body time split by its mean compute warp into before its first stage
     request (x staging, the input's wait), waiting for stages to land, reading them (dots), and the rest
     (epilogues, the end barrier)."""
-    from megart.profile import BODY_BEGIN, BODY_END, INSTANCE, stream_wait_parts
-    rec = prof.records
-    labels, call_of = m.call_index(int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
-    ci = call_of[rec[:, INSTANCE]]
-    rec, ci = rec[ci >= 0], ci[ci >= 0]
-    kinds = np.array([m.call_kind(labels[c]) for c in ci])
+    from megart.profile import BODY_BEGIN, BODY_END, stream_wait_parts
+    rec, kinds = records_by_kind(m, prof)
     parts = stream_wait_parts(rec)
     body = rec[:, BODY_END] - rec[:, BODY_BEGIN]
     n_steps = max(1, len(prof.steps))
@@ -115,12 +121,8 @@ def stream_occupancy(m, prof) -> list:
     """Per call kind of a MEGART_STREAM_WAITS=2 build: what each compute warp's ring held when the warp began
     reading the instance's stages (csrc/weight_stream.cuh stream_read_begin), mean over warps and instances:
     stages already landed, and stages issued and not yet read (landed or in flight)."""
-    from megart.profile import INSTANCE, stream_wait_parts
-    rec = prof.records
-    labels, call_of = m.call_index(int(rec[:, INSTANCE].max()) + 1 if len(rec) else 0)
-    ci = call_of[rec[:, INSTANCE]]
-    rec, ci = rec[ci >= 0], ci[ci >= 0]
-    kinds = np.array([m.call_kind(labels[c]) for c in ci])
+    from megart.profile import stream_wait_parts
+    rec, kinds = records_by_kind(m, prof)
     landed, _, pending, warps = stream_wait_parts(rec).T
     out = []
     for kind in dict.fromkeys(kinds):
@@ -179,10 +181,13 @@ def calls_text(rec, phases: bool = False) -> str:
     return "\n".join(rows)
 
 
+def occupancy_text(rec) -> str:
+    return "\n".join([f"  {'kind':10s} {'landed':>8s} {'unread':>8s}   (stages per warp as its reads begin)"] + [
+        f"  {c['kind']:10s} {c['landed_per_warp']:8.2f} {c['issued_unread_per_warp']:8.2f}"
+        for c in rec.get("stream_waits", [])])
+
+
 def waits_text(rec) -> str:
-    if rec.get("stream_waits") and "landed_per_warp" in rec["stream_waits"][0]:   # (--occupancy)
-        return "\n".join([f"  {'kind':10s} {'landed':>8s} {'unread':>8s}   (stages per warp as its reads begin)"] + [
-            f"  {c['kind']:10s} {c['landed_per_warp']:8.2f} {c['issued_unread_per_warp']:8.2f}" for c in rec["stream_waits"]])
     rows = [f"  {'kind':10s} {'stages':>7s} {'body/wkr':>9s} {'before':>8s} {'st.wait':>8s} {'dots':>8s} {'rest':>8s}"]
     for c in rec.get("stream_waits", []):
         rows.append(f"  {c['kind']:10s} {c['stages']:7.0f} {c['body_per_worker_us']:9.1f} {c['before_first_us']:8.1f} "
@@ -242,8 +247,10 @@ def main(argv=None) -> int:
                 f"(floor {rec['floor_us']:.0f}), relerr {rec['relerr_first_step']:.4f}, stream slots "
                 f"{rec['stream_slots']}, {rec['registers']} regs")
             log(calls_text(rec, args.phases))
-            if args.waits or args.occupancy:
+            if args.waits:
                 log(waits_text(rec))
+            if args.occupancy:
+                log(occupancy_text(rec))
             if spans is not None and spans.is_file():   # per worker, one layer, a layer's hops (bench/spans_report.py)
                 log(spans_report.report(spans))
         del W, prefix

@@ -31,10 +31,12 @@ __shared__ unsigned long long s_span_t[2];  // the instance's wait start and bod
 #if defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS
 #error "MEGART_STREAM_WAITS and MEGART_PHASE_MARKS both use the span records' mark words: set one"
 #endif
-constexpr bool kStreamWaits = true;
+constexpr bool kStreamWaits = true;  // (either mode: the mark words hold counts, not times)
+constexpr bool kStreamTimes = MEGART_STREAM_WAITS == 1;
 constexpr bool kStreamOccupancy = MEGART_STREAM_WAITS == 2;
 #else
 constexpr bool kStreamWaits = false;
+constexpr bool kStreamTimes = false;
 constexpr bool kStreamOccupancy = false;
 #endif
 // MEGART_PHASE_MARKS=2 (a diagnostic) stamps the warps' spread instead: mark 1 is reached by every compute

@@ -183,20 +183,20 @@ __shared__ StreamShared s_stream;
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
 // MEGART_STREAM_WAITS (lane 0 of each compute warp): when the warp first asked for a stage in this instance
 // (0: not yet), and when it got the stage it is reading.
-constexpr int kStampWarps = kStreamWaits && !kStreamOccupancy ? kStreamWarps : 1;  // (megart/stream.py reserves them)
+constexpr int kStampWarps = kStreamTimes ? kStreamWarps : 1;  // (megart/stream.py reserves them)
 __shared__ unsigned long long s_sw_first[kStampWarps], s_sw_got[kStampWarps];
 #endif
 // Thread 0 at an instance's body begin / after its closing barrier (MEGART_STREAM_WAITS builds): clear the
 // warps' first requests; add to mark word 1 the time from the body's begin to each warp's first request.
 __device__ __forceinline__ void stream_waits_begin() {
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  if constexpr (kStreamWaits && !kStreamOccupancy)
+  if constexpr (kStreamTimes)
     for (int w = 0; w < kStreamWarps; ++w) s_sw_first[w] = 0;
 #endif
 }
 __device__ __forceinline__ void stream_waits_finish(unsigned long long body_begin) {
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  if constexpr (kStreamWaits && !kStreamOccupancy)
+  if constexpr (kStreamTimes)
     for (int w = 0; w < kStreamWarps; ++w)
       if (s_sw_first[w]) s_span_mark[1] += s_sw_first[w] - body_begin;
 #else
@@ -542,12 +542,11 @@ __device__ __forceinline__ const char* stream_acquire(int warp, unsigned j) {
     __syncwarp();
   }
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  constexpr bool kTimed = kStreamWaits && !kStreamOccupancy;
-  const unsigned long long t0 = kTimed ? globaltimer() : 0ull;  // (lane 0 times the wait; stream_release the read)
+  const unsigned long long t0 = kStreamTimes ? globaltimer() : 0ull;  // (lane 0 times the wait; stream_release the read)
 #endif
   stream_wait(stream_full(warp, slot), (j / kStreamSlots) & 1u, -1 - slot, warp, j);
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  if (kTimed && (threadIdx.x & 31) == 0) {
+  if (kStreamTimes && (threadIdx.x & 31) == 0) {
     const unsigned long long t1 = globaltimer();
     if (s_sw_first[warp] == 0) s_sw_first[warp] = t0;
     s_sw_got[warp] = t1;
@@ -562,7 +561,7 @@ __device__ __forceinline__ const char* stream_acquire(int warp, unsigned j) {
 // with inline production lane 0 also issues the next stages here.
 __device__ __forceinline__ void stream_release(int warp, unsigned j) {
 #if defined(MEGART_PROFILE) && defined(__CUDA_ARCH__)
-  if constexpr (kStreamWaits && !kStreamOccupancy) {
+  if constexpr (kStreamTimes) {
     if ((threadIdx.x & 31) == 0) {
       atomicAdd(&s_span_mark[0], (globaltimer() - s_sw_got[warp]) << kMarkHighShift);
       atomicAdd(&s_span_mark[1], 1ull << kMarkHighShift);  // (a stage read)

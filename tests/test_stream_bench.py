@@ -71,4 +71,4 @@ def test_occupancy_gives_each_calls_stages_per_warp_as_its_reads_begin(bench):
     assert out["gate_up"]["warps"] == 4 and out["gate_up"]["landed_per_warp"] == pytest.approx(3.5)
     assert out["gate_up"]["issued_unread_per_warp"] == pytest.approx(5.5)
     assert out["down"]["landed_per_warp"] == 0 and out["down"]["issued_unread_per_warp"] == 3
-    assert "landed" in bench.waits_text({"stream_waits": list(out.values())})
+    assert "landed" in bench.occupancy_text({"stream_waits": list(out.values())})
