@@ -48,13 +48,22 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
     return qr, kr, vr, group, ms
 
 
-def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, n_kv, hd, max_seq=None, chunk=0,
-                chunks=None, min_chunk=0, scale=None, out=None, arrivals=None, k_new=None, v_new=None,
-                pos_stamp=None):
+def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o=None, part_ml=None, n_q, n_kv, hd, max_seq=None,
+                chunk=0, chunks=None, min_chunk=0, scale=None, out=None, arrivals=None, k_new=None, v_new=None,
+                pos_stamp=None, width=None):
     T = "attention_decode"
     qr, kr, vr, group, ms = _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq)
-    pr, por, pmr = as_ref(pos, "pos"), as_ref(part_o, "part_o"), as_ref(part_ml, "part_ml")
+    pr = as_ref(pos, "pos")
     require(pr.count == 1, T, f"pos must be a single i32 element, has {pr.count}")
+    if out is not None and arrivals is None:   # the direct form: one chunk, the output itself, no partials
+        return _direct_split(T, qr, kr, vr, pr, as_ref(out, "out"), group, ms, n_q=n_q, n_kv=n_kv, hd=hd,
+                             chunk=chunk, chunks=chunks, min_chunk=min_chunk, scale=scale, width=width,
+                             part_o=part_o, part_ml=part_ml, k_new=k_new, v_new=v_new, pos_stamp=pos_stamp)
+    require(part_o is not None and part_ml is not None, T,
+            "part_o and part_ml are required (the chunks' partials), unless out is given without arrivals "
+            "(the direct form: one chunk per instance writes its heads' output)")
+    require(width is None, T, "width (q heads per instance) applies to the direct form only (out without arrivals)")
+    por, pmr = as_ref(part_o, "part_o"), as_ref(part_ml, "part_ml")
     chunk = int(chunk or 0)
     require(chunk >= 0, T, f"chunk must be >= 0 (0: dynamic chunks), got {chunk}")
     require(isinstance(min_chunk, int) and not isinstance(min_chunk, bool) and 0 <= min_chunk <= ms, T,
@@ -94,6 +103,48 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o, part_ml, n_q, 
     return res
 
 
+def _direct_split(T, qr, kr, vr, pr, orf, group, ms, *, n_q, n_kv, hd, chunk, chunks, min_chunk, scale, width,
+                  part_o, part_ml, k_new, v_new, pos_stamp):
+    """The direct form (out without arrivals): each instance attends every position of its kv head for `width` of
+    the head's q heads (default: the whole group, up to ATTN_SUBGROUP) and writes their output itself, o / l, with
+    no partials and no merge. One chunk per kv head, so its time grows with the context: a short context's form."""
+    require(part_o is None and part_ml is None, T, "the direct form (out without arrivals) writes no partials: "
+                                                   "leave part_o and part_ml out")
+    require(not chunk and chunks in (None, 1), T, f"the direct form attends one chunk per kv head (chunks=1, "
+                                                 f"chunk=0), got chunks={chunks!r}, chunk={chunk!r}")
+    require(orf.count == n_q * hd, T, f"out has {orf.count} elements, expected n_q * hd = {n_q * hd}")
+    if width is None:
+        subgroups = head_subgroups(group)
+    else:
+        require(isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= ATTN_SUBGROUP, T,
+                f"width (q heads per instance) must be an integer in [1, {ATTN_SUBGROUP}], got {width!r}")
+        subgroups = [(a, b - a) for a, b in even_tiles(group, -(-group // width))]
+    scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
+    new = new_rows(T, qr, k_new, v_new, n_kv, hd)
+    stamp = pos_stamp_ref(T, pos_stamp)
+    res = []
+    for h in range(n_kv):
+        k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
+        v_ref = vr.tensor.ref(vr.offset + h * ms * hd, ms * hd)
+        rows = dict(k_new=None, v_new=None) if new is None else {
+            f"{k}_new": r.tensor.ref(r.offset + h * hd, hd) for k, r in new.items()}
+        for g0, ng in subgroups:
+            first = (h * group + g0) * hd
+            res.append(dict(q=qr.tensor.ref(qr.offset + first, ng * hd), k_cache=k_ref, v_cache=v_ref, pos=pr,
+                            part_o=None, part_ml=None, group=ng, hd=hd, chunk=0, cidx=0, nchunks=1,
+                            min_chunk=min_chunk, max_seq=ms, scale=scale, out=orf.tensor.ref(orf.offset + first, ng * hd),
+                            arrivals=None, tagged_out=int(orf.tensor.tagged), pos_stamp=stamp, **rows))
+    return res
+
+
+def direct_widths(group: int, width: int | None) -> set:
+    """The instance widths of the direct form at `width` q heads per instance (None: the whole group, split
+    as head_subgroups)."""
+    if width is None:
+        return {n for _, n in head_subgroups(group)}
+    return {b - a for a, b in even_tiles(group, -(-group // width))}
+
+
 def fused_merge_fits(group: int, hd: int, chunks: int) -> bool:
     """attention_decode can merge its own partials: every q head of a kv head in one instance, and each of
     the head's chunks a non-empty piece of its group * hd outputs to claim."""
@@ -112,7 +163,7 @@ def _fused_refs(T, out, arrivals, n_q, n_kv, hd, group, nch):
     the head's arrival counter. Without out and arrivals: null pointers (attention_merge merges)."""
     if out is None and arrivals is None:
         return lambda h, c: dict(out=None, arrivals=None)
-    require(out is not None and arrivals is not None, T, "out and arrivals come together (the fused merge) or not at all")
+    require(out is not None, T, "arrivals needs out (the fused merge: the last chunk of a kv head merges into out)")
     orf, ar = as_ref(out, "out"), as_ref(arrivals, "arrivals")
     n = group * hd
     if not fused_merge_fits(group, hd, nch):
@@ -168,7 +219,17 @@ def _attn_ref(p) -> None:
 
 
 def _attn_fused_ref(p) -> None:
-    """The partials, then (the fused form) the arrival: the last chunk of the kv head merges them all."""
+    """The partials, then (the fused form) the arrival: the last chunk of the kv head merges them all. The direct
+    form (no partials): its one chunk's o / l, as the merge of that chunk alone."""
+    if p.part_o is None:
+        import torch
+        G, hd = p.group, p.hd
+        part = SimpleNamespace(**{**vars(p), "part_o": torch.empty(G * hd, dtype=torch.float32),
+                                  "part_ml": torch.empty(G * 2, dtype=torch.float32)})
+        _attn_ref(part)
+        _merge_ref(SimpleNamespace(out=p.out, part_o=part.part_o, part_ml=part.part_ml, nheads=G, group=G, hd=hd,
+                                   chunks=1, g0=0))
+        return
     _attn_ref(p)
     if p.arrivals is None:
         return
@@ -202,10 +263,10 @@ def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, out=None, part_o=None, **_):
     return Cost(bytes=cost.bytes + merge.bytes, flops=cost.flops + merge.flops)
 
 
-def body_defines(hd: int, group: int) -> dict:
+def body_defines(hd: int, group: int, widths: set | None = None) -> dict:
     """Macros that compile only the attention_decode bodies one shape runs: its head size and the instance
-    widths its GQA group splits into (the models' kernels and the benches that stand in for them)."""
-    mask = sum(1 << n for n in {n for _, n in head_subgroups(group)})
+    widths its GQA group splits into, or `widths` (the models' kernels and the benches that stand in for them)."""
+    mask = sum(1 << n for n in (widths or {n for _, n in head_subgroups(group)}))
     return {"MEGART_ATTN_HD_ONLY": hd, "MEGART_ATTN_GROUP_MASK": hex(mask)}
 
 
@@ -248,20 +309,25 @@ def _attn_defines(cfg) -> dict:
 
 
 def _attn_macros(params, threads) -> dict:
-    """The forms the graph's instances use: tagged (k_new given), and unstamped (no pos_stamp: K/V read by
-    the body even where the stream carries the others')."""
+    """The forms the graph's instances use: tagged (k_new given), unstamped (no pos_stamp: K/V read by the body
+    even where the stream carries the others') and direct (no partials: the output written by the instance); the
+    fused merge only where an instance merges (arrivals given)."""
     out = {}
     if any(p.get("k_new") is not None for p in params):
         out["MEGART_ATTN_TAGGED"] = 1
     if any(p.get("pos_stamp") is None for p in params):
         out["MEGART_ATTN_UNSTAMPED"] = 1
+    if any(p.get("part_o") is None for p in params):
+        out["MEGART_ATTN_DIRECT"] = 1
+    out["MEGART_ATTN_FUSED_MERGE"] = int(any(p.get("arrivals") is not None for p in params))
     return out
 
 
 register(TaskType(
     name="attention_decode", id=65, hostsim=True, tol=1e-2, gate="megart.faithful.decode_gates:attention_decode",
     params=(ptr("q", "bf16", "in", tagged=True), ptr("k_cache", "bf16", "in"), ptr("v_cache", "bf16", "in"),
-            ptr("pos", "i32", "in"), ptr("part_o", "f32", "out"), ptr("part_ml", "f32", "out"),
+            ptr("pos", "i32", "in"), ptr("part_o", "f32", "out", optional=True),
+            ptr("part_ml", "f32", "out", optional=True),
             scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("min_chunk"),
             scalar("max_seq"),
             scalar("scale", "f32"), ptr("out", "bf16", "out", optional=True, tagged=True),

@@ -4,6 +4,7 @@
 // units of the scaled score), the sum l = sum exp(s - m) and the unnormalised o = sum exp(s - m) v (fp32).
 // An empty chunk writes m = -inf, l = 0, o = 0. With out and arrivals (the fused form), the last instance
 // of a kv head to finish also merges the head's partials into out (merge_if_last), as attention_merge would.
+// With out alone (the direct form: one chunk, no part_o / part_ml) the instance writes o / l to out itself.
 //
 // chunk > 0: static chunks, [c * chunk, min((c + 1) * chunk, kv_len)).
 // chunk == 0: dynamic chunks of ceil(kv_len / nchunks) positions, so every instance has work at any length.
@@ -209,6 +210,18 @@ __device__ __forceinline__ void store_partials(const megart_params_attention_dec
       }
     }
     __syncthreads();
+  }
+  if (kAttnDirect && p.part_o == nullptr) {  // the direct form: one chunk holds every position, so o / l is the output itself
+#pragma unroll
+    for (int k = 0; k < OUTS; ++k) {
+      const int idx = tid + k * NT;
+      if (idx < G * HD) {
+        const __nv_bfloat16 v = __float2bfloat16_rn(rl[k] > 0.f ? ro[k] / rl[k] : 0.f);
+        if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out), idx, v);
+        else p.out[idx] = v;
+      }
+    }
+    return;
   }
 #pragma unroll
   for (int k = 0; k < OUTS; ++k) {
@@ -435,7 +448,7 @@ __device__ __forceinline__ void megart_task_attention_decode(const megart_params
     } else if (p.hd == 128) {
       at::for_width<128>(p.group, at::StreamBody<128>{p, smem, lo, hi, pos});
     }
-    if (p.arrivals != nullptr) at::merge_if_last(p, smem, pos);
+    if (at::kAttnFusedMerge && p.arrivals != nullptr) at::merge_if_last(p, smem, pos);
     return;
   }
 #endif
@@ -444,5 +457,5 @@ __device__ __forceinline__ void megart_task_attention_decode(const megart_params
   } else if (p.hd == 128) {
     at::for_width<128>(p.group, at::DecodeBody<128>{p, smem, lo, hi});
   }  // the splitter refuses other head sizes
-  if (p.arrivals != nullptr) at::merge_if_last(p, smem, pos);
+  if (at::kAttnFusedMerge && p.arrivals != nullptr) at::merge_if_last(p, smem, pos);
 }

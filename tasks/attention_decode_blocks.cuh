@@ -145,6 +145,16 @@ constexpr bool kAttnTagged = MEGART_ATTN_TAGGED != 0;
 #define MEGART_ATTN_UNSTAMPED 0
 #endif
 constexpr bool kAttnUnstamped = MEGART_ATTN_UNSTAMPED != 0;
+// MEGART_ATTN_DIRECT (from the graph): an instance of the direct form (out without partials), compiled in only there.
+#ifndef MEGART_ATTN_DIRECT
+#define MEGART_ATTN_DIRECT 0
+#endif
+constexpr bool kAttnDirect = MEGART_ATTN_DIRECT != 0;
+// MEGART_ATTN_FUSED_MERGE (from the graph; 1 when unset): merge_if_last, compiled out where no instance merges.
+#ifndef MEGART_ATTN_FUSED_MERGE
+#define MEGART_ATTN_FUSED_MERGE 1
+#endif
+constexpr bool kAttnFusedMerge = MEGART_ATTN_FUSED_MERGE != 0;
 
 // The new K (kv = 0) and V (kv = 1) row of the instance's kv head, bf16 (hd <= 128: 16 vectors of 8), staged
 // in the instance's shared memory at MEGART_ATTN_NEW_ROW_OFFSET: past the K/V ring and the merge scratch of

@@ -1,7 +1,8 @@
 """The Llama step's attention merge (megart.models.llama, attn_merge=): by default the attention call merges
 its own partials (the last chunk of each kv head to finish does), one call fewer per layer than
 attention_decode + attention_merge; both forms give the same bits, and "auto" keeps the merge call where the
-fused form cannot run."""
+fused form cannot run. The direct form (one chunk per kv head, each instance writing its q heads' output, no
+partials) gives the bits of the fused merge over one chunk."""
 import pytest
 import torch
 
@@ -55,3 +56,38 @@ def test_auto_keeps_the_merge_call_where_the_fused_form_cannot_run():
         llama.LlamaModel(wide, device="cpu", nw=8, init="empty", attn_merge="fused", compile=False)
     with pytest.raises(ValueError, match="attn_merge must be one of"):
         llama.LlamaModel(llama.tiny(), device="cpu", nw=8, attn_merge="merged", compile=False)
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_the_direct_form_gives_the_fused_merge_bits_over_one_chunk(width):
+    """Two tiny decode steps with the CUDA bodies run on the host: attn_merge="direct" (instances of `width` q
+    heads, no partials, no merge) against the fused merge with one chunk per kv head: every tensor both kernels
+    hold is bit-identical (o / l is the one-chunk merge's arithmetic)."""
+    cfg = llama.tiny()
+    prefix = llama.make_kv_cache(cfg, 1)
+    slots = {"MEGART_STREAM_SLOTS": 0}
+    direct = _model(cfg, prefix, attn_merge="direct", tiles={"attn_width": width}, defines=slots)
+    fused = _model(cfg, prefix, tiles={"attn_chunks": 1}, defines=slots)
+    att = [i for i in direct.pk.graph.instances if i.type.name == "attention_decode"]
+    assert len(att) == cfg.layers * cfg.n_q // width and {i.params["group"] for i in att} == {width}
+    assert all(i.params["part_o"] is None and i.params["arrivals"] is None for i in att)
+    assert direct.part_o is None and not direct.merge_fused and direct.chunks == 1
+    outs = {}
+    for name, m in (("direct", direct), ("fused", fused)):
+        torch.manual_seed(0)
+        outs[name] = {k: v.clone() for k, v in hostsim.run(m.pk, steps=2).items()}
+    shared = outs["direct"].keys() & outs["fused"].keys()
+    assert {k for k in shared if k.endswith("attn")} == {f"L{l}.attn" for l in range(cfg.layers)}
+    for k in shared:
+        assert torch.equal(outs["direct"][k], outs["fused"][k]), k
+
+
+def test_the_direct_form_compiles_only_its_own_paths():
+    """The direct kernel compiles its width's body and no fused merge; the default kernel neither the direct store."""
+    cfg = llama.tiny()
+    prefix = llama.make_kv_cache(cfg, 1)
+    direct = _model(cfg, prefix, attn_merge="direct", compile=False)
+    fused = _model(cfg, prefix, compile=False)
+    dm, fm = direct.pk.kernel_config().defines, fused.pk.kernel_config().defines
+    assert dm["MEGART_ATTN_DIRECT"] == 1 and dm["MEGART_ATTN_FUSED_MERGE"] == 0 and dm["MEGART_ATTN_GROUP_MASK"] == "0x2"
+    assert "MEGART_ATTN_DIRECT" not in fm and fm["MEGART_ATTN_FUSED_MERGE"] == 1

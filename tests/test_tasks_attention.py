@@ -22,7 +22,7 @@ from megart.errors import GraphError
 from megart.geometry.attention import (attention_m1, attention_scratch, qkv_m1, ref_attention_decode,
                                        ref_qkv_rope_append, rope_tables)
 from megart.geometry.attention import active_chunks, attention_chunks, chunk_length, chunk_range
-from megart.tasks.attention import body_defines
+from megart.tasks.attention import body_defines, direct_widths
 
 TOL_QKV = megart.registry.get("qkv_rope_append").tol            # TaskType.tol, measured as above
 TOL_ATTN = megart.registry.get("attention_decode").tol
@@ -84,10 +84,16 @@ def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=N
     return t, dict(k0=k, v0=v, ref=ref, w=w, x=x, nw=nwt if norm else None, cos=cs, sin=sn)
 
 
-def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu", merge="call", min_chunk=0):
+def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu", merge="call", min_chunk=0, width=None):
     """attention_decode then its merge: attention_merge (merge="call") or the fused form (merge="fused":
-    out and arrivals given to attention_decode, the last chunk of each kv head merges)."""
+    out and arrivals given to attention_decode, the last chunk of each kv head merges), or none (merge="direct":
+    out alone, one chunk per kv head, instances of `width` q heads write it; no partials)."""
     n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
+    if merge == "direct":
+        t["out"] = pk.tensor(torch.zeros(n_q * hd, dtype=torch.bfloat16, device=dev), "out")
+        pk.task("attention_decode", q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], out=t["out"],
+                n_q=n_q, n_kv=n_kv, hd=hd, width=width)
+        return 1
     C = attention_chunks(n_kv, max_seq, pk.nw, chunk=chunk, tiles=tiles)
     po, pm = attention_scratch(n_q, n_kv, hd, C, device=dev)
     t["po"], t["pm"] = pk.tensor(po, "part_o"), pk.tensor(pm, "part_ml")
@@ -236,13 +242,15 @@ def test_decode_chain(hd, pos):
 
 # --- the CUDA bodies themselves, on the host (megart.emulate.hostsim: TaskType.hostsim) ---------------------
 
-def _chain_on_the_host(hd, pos, overrides=None, merge="call", defines=None, min_chunk=0, **pk_kw):
+def _chain_on_the_host(hd, pos, overrides=None, merge="call", defines=None, min_chunk=0, width=None, **pk_kw):
     sh, ms = SHAPES[hd], 2048
     # (only the attention body this shape runs is compiled, as the models do: the host compile is the slow part)
-    defines = {**body_defines(hd, sh["n_q"] // sh["n_kv"]), **(defines or {})}
+    group = sh["n_q"] // sh["n_kv"]
+    widths = direct_widths(group, width) if merge == "direct" else None
+    defines = {**body_defines(hd, group, widths=widths), **(defines or {})}
     pk = megart.PersistentKernel(nw=NW, device="cpu", source_overrides=overrides or {}, defines=defines, **pk_kw)
     t, r = build_qkv(pk, sh, ms, pos, seed=pos)
-    build_attention(pk, t, sh, ms, merge=merge, min_chunk=min_chunk)
+    build_attention(pk, t, sh, ms, merge=merge, min_chunk=min_chunk, width=width)
     compiled(pk)
     emu = {k: v.clone() for k, v in pk.emulate().items()}
     q_ref, k_ref, v_ref = r["ref"]
@@ -361,7 +369,8 @@ def test_fused_merge_refusals():
     arr = pk.tensor(torch.zeros(n_kv, dtype=torch.int32), "arr")
     base = dict(q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], part_o=t["po"], part_ml=t["pm"],
                 n_q=n_q, n_kv=n_kv, hd=hd)
-    _raises(lambda: pk.task("attention_decode", **base, out=out), "out and arrivals come together")
+    _raises(lambda: pk.task("attention_decode", **base, arrivals=arr), "arrivals needs out")
+    _raises(lambda: pk.task("attention_decode", **base, out=out), "writes no partials")
     _raises(lambda: pk.task("attention_decode", **base, out=out, arrivals=arr.ref(0, n_kv - 1)),
             "one i32 counter per kv head")
     _raises(lambda: pk.task("attention_decode", **base, out=out.ref(0, hd), arrivals=arr), "expected n_q")
@@ -373,6 +382,40 @@ def test_fused_merge_refusals():
                n_q=16, n_kv=1, hd=64, chunks=1, out=T(torch.zeros(16 * 64, dtype=torch.bfloat16), "o"),
                arrivals=T(torch.zeros(1, dtype=torch.int32), "a"))
     _raises(lambda: few.task("attention_decode", **big), "group 16 > 8")
+
+
+@pytest.mark.parametrize("hd,width", [(64, 1), (128, 4)], ids=["hd64-width1", "hd128-width4"])
+def test_direct_form_writes_the_output_itself(hd, width):
+    """The direct form (out without arrivals or partials): one chunk per kv head, instances of `width` q heads
+    each write o / l for their heads. In the host-run bodies and the emulator it matches the fp32 chain, and the
+    instances read nothing but q, K and V: no partial tensor, no merge call."""
+    from megart.emulate import hostsim
+    pos = 100
+    pk, emu, q_ref, out_ref = _chain_on_the_host(hd, pos, merge="direct", width=width)
+    dev = hostsim.run(pk, seed=3)
+    check(dev["out"], out_ref, TOL_ATTN, "direct: attention out (host-run bodies)")
+    check(emu["out"], out_ref, TOL_ATTN, "direct: attention out (emulator)")
+    assert rel(dev["out"], emu["out"]) <= TOL_ATTN / 2
+    att = [i for i in pk.graph.instances if i.type.name == "attention_decode"]
+    assert len(att) == SHAPES[hd]["n_q"] // width and {i.params["group"] for i in att} == {width}
+    assert "part_o" not in pk.graph.tensors and len({g.label for g in pk.graph.groups}) == 2
+
+
+def test_direct_form_refusals():
+    sh, ms = SHAPES[64], 2048
+    pk, t, _, C = attention_only(sh, ms, 100, nw=NW)
+    n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
+    out = pk.tensor(torch.zeros(n_q * hd, dtype=torch.bfloat16), "out2")
+    base = dict(q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], n_q=n_q, n_kv=n_kv, hd=hd, out=out)
+    _raises(lambda: pk.task("attention_decode", **base, chunks=2), "one chunk per kv head")
+    _raises(lambda: pk.task("attention_decode", **base, chunk=64), "one chunk per kv head")
+    _raises(lambda: pk.task("attention_decode", **base, width=0), "width")
+    _raises(lambda: pk.task("attention_decode", **base, width=9), "width")
+    _raises(lambda: pk.task("attention_decode", **{**base, "out": out.ref(0, hd)}), "expected n_q")
+    _raises(lambda: pk.task("attention_decode", **{k: v for k, v in base.items() if k != "out"}),
+            "part_o and part_ml are required")
+    _raises(lambda: pk.task("attention_decode", **{k: v for k, v in base.items() if k != "out"}, part_o=t["po"],
+                            part_ml=t["pm"], width=1), "direct form only")
 
 
 def test_hostsim_catches_a_missing_barrier_in_attention(tmp_path):

@@ -85,6 +85,7 @@ def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
         qkv=nw,
         attn_chunks=max(1, nw // cfg.n_kv),
         attn_min_chunk=min(ATTN_MIN_CHUNK, cfg.max_seq),
+        attn_width=min(DIRECT_WIDTH, cfg.group),   # q heads per attention instance of the direct form
         merge=min(cfg.n_q, nw),
         o=nw,
         gate_up=nw,
@@ -163,7 +164,7 @@ def attention_ring_default(cfg: LlamaConfig, chunks: int, kcfg) -> dict:
     return {"MEGART_ATTN_RING_BYTES": SHORT_ATTN_RING}
 
 
-ATTN_MERGE = ("auto", "fused", "call")
+ATTN_MERGE = ("auto", "fused", "call", "direct")
 
 
 def merge_shape_defines(cfg: LlamaConfig, chunks: int) -> dict:
@@ -191,10 +192,16 @@ def merge_fused(how: str, cfg: LlamaConfig, chunks: int) -> bool:
     return fused_merge_fits(cfg.group, cfg.hd, chunks)
 
 
-def attention_defines(cfg: LlamaConfig) -> dict:
+# The direct form's q heads per attention instance (attn_merge="direct"; tiles["attn_width"])
+DIRECT_WIDTH = 1
+
+
+def attention_defines(cfg: LlamaConfig, attn_merge: str = "auto", width: int = DIRECT_WIDTH) -> dict:
     """Compile only the attention_decode bodies this shape runs (its head size, its instance widths)."""
-    from ..tasks.attention import body_defines
-    return body_defines(cfg.hd, cfg.group)
+    from ..tasks.attention import body_defines, direct_widths
+    if attn_merge != "direct":
+        return body_defines(cfg.hd, cfg.group)
+    return body_defines(cfg.hd, cfg.group, widths=direct_widths(cfg.group, min(width, cfg.group)))
 
 
 class LlamaModel:
@@ -248,7 +255,8 @@ class LlamaModel:
         self.pk = PersistentKernel(nw=nw, device=self.device, profile=profile, profile_steps=profile_steps,
                                    threads=default_threads(cfg) if threads is None else threads,
                                    watchdog_s=watchdog_s, sm_count=sm_count,
-                                   defines={**attention_defines(cfg),
+                                   defines={**attention_defines(cfg, attn_merge,
+                                                                (tiles or {}).get("attn_width", DIRECT_WIDTH)),
                                             **stream_default(defines, self.stream_slots_default),
                                             **(defines or {})}, peers=peers)
         self.nw = self.pk.nw
@@ -262,8 +270,8 @@ class LlamaModel:
         self._alloc()
         # (the chunk count _alloc sized the partials with; a macro read at compile only)
         ring = attention_ring_default(cfg, self.chunks, self.pk.kernel_config()) if self.short_attn_ring_default else {}
-        merge = {**merge_shape_defines(cfg, self.chunks),
-                 **merge_active_default(cfg, self.chunks, self.tiles["attn_min_chunk"])}
+        merge = {} if self.attn_merge == "direct" else {
+            **merge_shape_defines(cfg, self.chunks), **merge_active_default(cfg, self.chunks, self.tiles["attn_min_chunk"])}
         self.pk.defines = {**self.pk.defines, **check_defines({**ring, **merge}), **check_defines(defines or {})}
         self.attn_ring_short = bool(ring)   # (compile() drops it where it would not build clean)
         self._build()
@@ -284,7 +292,8 @@ class LlamaModel:
         # attention's K/V rows ahead (tasks/attention_decode.cuh)
         self.pos_stamp = tagged_words.empty(1, dev)
         self.cos, self.sin = rope_tables(c, dev)
-        self.chunks = attention_chunks(c.n_kv, c.max_seq, self.nw, chunks=self.tiles["attn_chunks"])
+        direct = self.attn_merge == "direct"   # one chunk per kv head, each q head's output written by its instance
+        self.chunks = 1 if direct else attention_chunks(c.n_kv, c.max_seq, self.nw, chunks=self.tiles["attn_chunks"])
         # single-assignment residual stream: xs[l] enters layer l, xm[l] is after its attention
         # tagged (megart/tagged.py): the vectors passed between the weight-bound calls are tagged words, which
         # their readers poll instead of waiting on the writer's event; not x_in / x_out (the caller's) or the
@@ -302,9 +311,9 @@ class LlamaModel:
         new_rows = [t for pair in self.kv_new or () for t in pair]
         self._tagged_ptrs = {t.data_ptr() for t in (*self.xs, *self.xm, *self.attn, *self.h, *self.q, *new_rows)
                              if t.dtype == torch.int32}
-        self.part_o = [z(c.n_kv, self.chunks, c.group, c.hd, dtype=f32) for _ in range(c.layers)]
-        self.part_ml = [z(c.n_kv, self.chunks, c.group, 2, dtype=f32) for _ in range(c.layers)]
-        self.merge_fused = merge_fused(self.attn_merge, c, self.chunks)
+        self.part_o = None if direct else [z(c.n_kv, self.chunks, c.group, c.hd, dtype=f32) for _ in range(c.layers)]
+        self.part_ml = None if direct else [z(c.n_kv, self.chunks, c.group, 2, dtype=f32) for _ in range(c.layers)]
+        self.merge_fused = not direct and merge_fused(self.attn_merge, c, self.chunks)
         self.arrivals = [z(c.n_kv, dtype=i32) for _ in range(c.layers)] if self.merge_fused else None
         if c.block:
             self.x_in = self.xs[0]
@@ -417,8 +426,14 @@ class LlamaModel:
                            norm_weight=T(L["in_norm"], p + "in_norm"), eps=c.eps, cos=cos, sin=sin, pos=pos,
                            n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, kv_refs=self.kv_refs, tiles=tl["qkv"], **qk_norm,
                            **(fold or {}))
-        po, pm = T(self.part_o[l], p + "part_o"), T(self.part_ml[l], p + "part_ml")
         a = T(self.attn[l], p + "attn")
+        if self.attn_merge == "direct":
+            g_att = self._task(p + "attn", "attention_decode", [g_qkv], q=q, k_cache=kct, v_cache=vct, pos=pos,
+                               n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, max_seq=c.max_seq, chunks=1, out=a,
+                               width=min(tl["attn_width"], c.group), pos_stamp=self._stamp, **new)
+            self._attn_calls.append((g_att, dict(k_cache=kct, v_cache=vct, **new)))
+            return a, g_att
+        po, pm = T(self.part_o[l], p + "part_o"), T(self.part_ml[l], p + "part_ml")
         fused = dict(out=a, arrivals=T(self.arrivals[l], p + "arrivals")) if self.merge_fused else {}
         g_att = self._task(p + "attn", "attention_decode", [g_qkv],
                            q=q, k_cache=kct, v_cache=vct, pos=pos, part_o=po, part_ml=pm, n_q=c.n_q,
