@@ -18,8 +18,9 @@ ring held, landed and issued, when the warp began reading each streamed instance
 That per-call table is how the engines are compared: which calls got slower or faster, and whether the
 difference is in the body (bytes arriving) or in the wait (the producer of the input). With --spans DIR the
 profiled build's raw span records are saved there and bench/spans_report.py's tables printed (per worker, one
-layer's calls, a layer's hops along the dependency chain). Model options beside the macros: deps, attn_merge,
-attn_chunks, tagged, tagged_attn, threads, tiles_<call> (instances of a call, e.g. tiles_o=128; e.g. --variants
+layer's calls, a layer's hops along the dependency chain). Model options beside the macros: deps, attn_merge
+(auto, fused, call, direct), attn_chunks, tagged, tagged_attn, threads, tiles_<call> (instances of a call, e.g.
+tiles_o=128; tiles_attn_width=2: q heads per instance of the direct form; e.g. --variants
 "default;threads=384;attn_chunks=8").
 """
 from __future__ import annotations

@@ -238,6 +238,8 @@ def test_short_attention_ring_where_chunks_fit():
     assert llama.attention_ring_default(c, 16, kc()) == short
     assert llama.attention_ring_default(llama.config("1b_128"), 16, kc()) == short
     assert llama.attention_ring_default(c, 4, kc()) == {}                        # 192 KB chunks
+    assert llama.attention_ring_default(c, 1, kc(), direct=True) == short          # (measured at any length)
+    assert llama.attention_ring_default(c, 1, kc(threads=384), direct=True) == {}
     assert llama.attention_ring_default(llama.config("1b_32k"), 16, kc()) == {}
     assert llama.attention_ring_default(llama.config("block8b"), 16, kc()) == {}  # hd 128: 132 KB chunks
     assert llama.attention_ring_default(llama.config("qwen3_0.6b"), 16, kc()) == {}   # GQA group 2

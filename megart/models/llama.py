@@ -15,6 +15,8 @@ grid barrier):
       attention_decode                    per (kv head, chunk) partials, ~nw instances; the last chunk
                                           of each kv head to finish merges them: a_l (attn_merge="fused")
       [attention_merge                    a_l, as its own call (attn_merge="call")]
+                                          (attn_merge="direct": one instance per q head over the whole
+                                          context writes a_l itself, no partials; short contexts only)
       gemv_m1 o_proj   (fused residual)   xm_l = x_l + Wo a_l
       gate_up_silu     (fused post-norm)  h_l = silu(Wg n(xm_l)) * Wu n(xm_l)
       gemv_m1 down     (fused residual)   x_{l+1} = xm_l + Wd h_l
@@ -136,14 +138,15 @@ def stream_default(defines: dict | None, default=STREAM_DEFAULT) -> dict:
 SHORT_ATTN_RING = 32 * 1024   # attention's K/V ring where its chunks are short (attention_ring_default)
 
 
-def attention_ring_default(cfg: LlamaConfig, chunks: int, kcfg) -> dict:
+def attention_ring_default(cfg: LlamaConfig, chunks: int, kcfg, direct: bool = False) -> dict:
     """attention_decode's K/V ring when the caller leaves MEGART_ATTN_RING_BYTES unset: 32 KB instead of the
     default 64 KB where a chunk's K/V rows, at the cache's full length, fit the default ring anyway and the
     kernel streams its weights in 4 KB stages at 8 compute warps or fewer, so that the 32 KB given back is
     one more weight slot per warp (6 instead of 5 at 8 warps). On the H200 (bench/RESULTS.md, nineteenth
     session) 1b 864.5 -> 852.8 us, 1b_128 823.2 -> 812.9, 1b_fp8 level; where chunks are long it loses
-    (1b_32k +17 us), and block8b (chunks of 135 KB) is level. `{}` means: leave the ring to
-    tasks/attention.py."""
+    (1b_32k +17 us), and block8b (chunks of 135 KB) is level. The direct form (`direct`: one chunk per kv head,
+    the whole context) was measured with the 32 KB ring from 128 to 768 positions, so it takes it at any
+    length. `{}` means: leave the ring to tasks/attention.py."""
     from ..config import caller_macros, stream_requested
     from ..errors import GraphError
     from ..stream import slot_bytes, stage_chunks
@@ -159,7 +162,7 @@ def attention_ring_default(cfg: LlamaConfig, chunks: int, kcfg) -> dict:
     if (kcfg.threads // 32) * slot_bytes(stage) > ATTN_RING - SHORT_ATTN_RING:
         return {}
     chunk_rows = -(-cfg.max_seq // max(1, chunks))
-    if chunk_rows * cfg.hd * 2 * 2 > ATTN_RING:   # (a kv head's K and V rows, bf16)
+    if not direct and chunk_rows * cfg.hd * 2 * 2 > ATTN_RING:   # (a kv head's K and V rows, bf16)
         return {}
     return {"MEGART_ATTN_RING_BYTES": SHORT_ATTN_RING}
 
@@ -269,7 +272,8 @@ class LlamaModel:
         self._attn_calls: list = []   # (each layer's attention call, its cache tensors): for kv_commit
         self._alloc()
         # (the chunk count _alloc sized the partials with; a macro read at compile only)
-        ring = attention_ring_default(cfg, self.chunks, self.pk.kernel_config()) if self.short_attn_ring_default else {}
+        ring = attention_ring_default(cfg, self.chunks, self.pk.kernel_config(), direct=self.attn_merge == "direct") \
+            if self.short_attn_ring_default else {}
         merge = {} if self.attn_merge == "direct" else {
             **merge_shape_defines(cfg, self.chunks), **merge_active_default(cfg, self.chunks, self.tiles["attn_min_chunk"])}
         self.pk.defines = {**self.pk.defines, **check_defines({**ring, **merge}), **check_defines(defines or {})}

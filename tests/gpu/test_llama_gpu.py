@@ -230,3 +230,36 @@ def test_error_budget_E_and_D(name):
             tok = int(want.argmax())
     _record(f"{name}.error_budget", {k: round(v, 5) for k, v in worst.items()} | {"tol": TOL[name]})
     assert min(worst["D_skip_last_layer"], worst["D_no_residual"]) > 3 * TOL[name]
+
+
+def test_direct_attention_gives_the_one_chunk_merge_bits():
+    """attn_merge="direct" (one instance per q head over the whole context, no partials) at a 128-token context:
+    within the 1B gate of the reference at every step, and the logits, tokens and appended K/V rows bit-identical
+    to the fused merge over one chunk per kv head (the same arithmetic: o / l)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.cuda.empty_cache()
+    cfg = llama.config("1b_128")
+    W = llama.make_weights(cfg, 0, torch.device("cuda"))
+    prefix = llama.make_kv_cache(cfg, 1, torch.device("cuda"))
+    runs = {}
+    one_chunk = dict(tiles={"attn_chunks": 1}, defines={"MEGART_ATTN_RING_BYTES": 32768})   # (the direct form's ring)
+    for name, kw in (("direct", dict(attn_merge="direct")), ("one_chunk", one_chunk)):
+        m = llama.LlamaModel(cfg, W, llama.clone_kv(prefix), device="cuda", **kw)
+        if name == "direct":
+            assert m.chunks == 1 and m.part_o is None and m.pk.stream_layout().slots == 6
+        ref = Reference(cfg, W, prefix)
+        token, outs = 3, []
+        for s in range(4):
+            logits, tok = m.step(token if s == 0 else None, cfg.prefill if s == 0 else None)
+            m.sync()
+            err = llama.relerr(logits, ref.step(token, cfg.prefill + s))
+            assert err <= TOL["1b"], f"{name} step {s}: relerr {err:.4f}"
+            outs.append((logits.clone(), int(tok)))
+            token = int(tok)
+        runs[name] = outs, [t.clone() for pair in m.kv for t in pair]
+        del m
+        torch.cuda.empty_cache()
+    for (a, ta), (b, tb) in zip(runs["direct"][0], runs["one_chunk"][0]):
+        assert ta == tb and torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(runs["direct"][1], runs["one_chunk"][1]))
