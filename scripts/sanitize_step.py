@@ -19,12 +19,14 @@ def main(argv=None) -> int:
     ap.add_argument("--defines", default="", help="kernel macros, NAME=VALUE,...")
     ap.add_argument("--tagged-attn", action="store_true",
                     help="the tagged qkv -> attention edge (LlamaModel(tagged_attn=True), off by default)")
+    ap.add_argument("--attn-merge", default="auto", help="LlamaModel(attn_merge=...): auto, fused, call, direct")
     args = ap.parse_args(argv)
     cfg = llama.config(args.config)
     if args.layers:
         cfg = dataclasses.replace(cfg, layers=args.layers)
     defines = dict(x.split("=", 1) for x in args.defines.split(",") if x)
-    m = llama.LlamaModel(cfg, device="cuda", defines=defines, watchdog_s=60, tagged_attn=args.tagged_attn)
+    m = llama.LlamaModel(cfg, device="cuda", defines=defines, watchdog_s=60, tagged_attn=args.tagged_attn,
+                         attn_merge=args.attn_merge)
     for _ in range(args.steps):
         m.step()
     m.sync()
