@@ -1,6 +1,7 @@
 """The Llama decode step under several kernel macro sets (weight engines), one process, one floor.
 
-    PYTHONPATH=. python bench/stream_bench.py [--configs 1b] [--steps 200] [--phases | --waits | --occupancy] [--json out.json]
+    PYTHONPATH=. python bench/stream_bench.py [--configs 1b] [--contexts 192,512] [--steps 200]
+        [--phases | --waits | --occupancy] [--json out.json]
         [--variants "default;MEGART_STREAM_SLOTS=0;MEGART_STREAM_SLOTS=0,MEGART_DENSE_RING_SLOTS=3"]
 
 Per config the weights and the KV prefix are made once; per variant (a MEGART_DEFINES-style list, or
@@ -145,6 +146,16 @@ def profile_calls(cfg, W, prefix, nw, defines, steps=6, spans: Path | None = Non
     return m.call_breakdown(prof), median(list(prof.step_walls() / 1e3)), waits
 
 
+def at_context(cfg, context: int | None):
+    """The config with `context` prefilled positions (None: as it is), keeping its decode headroom (max_seq -
+    prefill): how a short-context form is swept across lengths (--contexts)."""
+    if context is None:
+        return cfg
+    if context < 1:
+        raise SystemExit(f"stream_bench: a context of {context} positions; give at least 1")
+    return cfg.with_(name=f"{cfg.name}_ctx{context}", prefill=context, max_seq=context + cfg.max_seq - cfg.prefill)
+
+
 def run_variant(cfg, W, prefix, nw, variant, steps, bw, profile=True, spans: Path | None = None,
                 phases: bool = False, waits: int = 0) -> dict:
     defines, model_kw = split_variant(variant)
@@ -196,6 +207,35 @@ def waits_text(rec) -> str:
     return "\n".join(rows)
 
 
+def run_logged(name, cfg, W, prefix, v, args, bw) -> dict:
+    """One variant of one config, timed (and profiled unless --no-profile), its tables logged: its record."""
+    variant = parse_variant(v)
+    spans = None
+    if args.spans:
+        Path(args.spans).mkdir(parents=True, exist_ok=True)
+        tag = "_".join(f"{k}-{v_}" for k, v_ in variant.items()) or "default"
+        spans = Path(args.spans) / f"{name}_{tag}.npz"
+    try:
+        rec = run_variant(cfg, W, prefix, args.nw, variant, args.steps, bw, not args.no_profile, spans,
+                          args.phases, 2 if args.occupancy else int(args.waits))
+    except Exception as exc:   # one variant that does not build or run must not hide the others
+        log(f"[{name}] {v or 'default'}: {type(exc).__name__}: {exc}")
+        return dict(config=name, variant=variant, error=f"{type(exc).__name__}: {exc}")
+    rec["config"] = name
+    log(f"[{name}] {v or 'default'}: {rec['megart_us']:.1f} us/step ({rec['megart_run_us']:.1f} in runs "
+        f"of back-to-back steps), {rec['x_floor']:.3f} x floor "
+        f"(floor {rec['floor_us']:.0f}), relerr {rec['relerr_first_step']:.4f}, stream slots "
+        f"{rec['stream_slots']}, {rec['registers']} regs")
+    log(calls_text(rec, args.phases))
+    if args.waits:
+        log(waits_text(rec))
+    if args.occupancy:
+        log(occupancy_text(rec))
+    if spans is not None and spans.is_file():   # per worker, one layer, a layer's hops (bench/spans_report.py)
+        log(spans_report.report(spans))
+    return rec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="1b")
@@ -211,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--occupancy", action="store_true",
                     help="profile with MEGART_STREAM_WAITS=2 and print how many of each warp's weight stages had "
                          "landed (and were issued) when it began reading each streamed call's instance")
+    ap.add_argument("--contexts", default=None,
+                    help="prefilled positions to run each config at, e.g. 192,256,512 (default: the config's own)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--spans", default=None, help="folder for each variant's raw span records (.npz)")
     args = ap.parse_args(argv)
@@ -222,39 +264,21 @@ def main(argv=None) -> int:
     bw, how = hbm_bandwidth(torch.device("cuda"))
     log(f"HBM read bandwidth {bw / 1e12:.3f} TB/s ({how})")
     out = dict(bandwidth=bw, bandwidth_how=how, results=[])
-    for name in args.configs.split(","):
-        cfg = llama.config(name)
-        W = llama.make_weights(cfg, 0, torch.device("cuda"))
-        prefix = llama.make_kv_cache(cfg, 1, torch.device("cuda"))
-        for v in args.variants.split(";"):
-            variant = parse_variant(v)
-            spans = None
-            if args.spans:
-                Path(args.spans).mkdir(parents=True, exist_ok=True)
-                tag = "_".join(f"{k}-{v_}" for k, v_ in variant.items()) or "default"
-                spans = Path(args.spans) / f"{name}_{tag}.npz"
-            try:
-                rec = run_variant(cfg, W, prefix, args.nw, variant, args.steps, bw, not args.no_profile, spans,
-                                  args.phases, 2 if args.occupancy else int(args.waits))
-            except Exception as exc:   # one variant that does not build or run must not hide the others
-                rec = dict(variant=variant, error=f"{type(exc).__name__}: {exc}")
-                log(f"[{name}] {v or 'default'}: {rec['error']}")
-                out["results"].append(dict(config=name, **rec))
-                continue
-            rec["config"] = name
-            out["results"].append(rec)
-            log(f"[{name}] {v or 'default'}: {rec['megart_us']:.1f} us/step ({rec['megart_run_us']:.1f} in runs "
-                f"of back-to-back steps), {rec['x_floor']:.3f} x floor "
-                f"(floor {rec['floor_us']:.0f}), relerr {rec['relerr_first_step']:.4f}, stream slots "
-                f"{rec['stream_slots']}, {rec['registers']} regs")
-            log(calls_text(rec, args.phases))
-            if args.waits:
-                log(waits_text(rec))
-            if args.occupancy:
-                log(occupancy_text(rec))
-            if spans is not None and spans.is_file():   # per worker, one layer, a layer's hops (bench/spans_report.py)
-                log(spans_report.report(spans))
-        del W, prefix
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else [None]
+    except ValueError:
+        ap.error(f"--contexts takes positions, e.g. 192,256,512; got {args.contexts!r}")
+    for config_name in args.configs.split(","):
+        W = None   # (one shape's weights serve every context)
+        for context in contexts:
+            cfg = at_context(llama.config(config_name), context)
+            W = W if W is not None else llama.make_weights(cfg, 0, torch.device("cuda"))
+            prefix = llama.make_kv_cache(cfg, 1, torch.device("cuda"))
+            name = config_name if context is None else f"{config_name}@{context}"
+            for v in args.variants.split(";"):
+                out["results"].append(run_logged(name, cfg, W, prefix, v, args, bw))
+            del prefix
+        del W
         torch.cuda.empty_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         m.step()
     m.sync()
     print(f"sanitize_step: {cfg.name} {cfg.layers} layers, {args.steps} steps, defines {defines}, "
-          f"tagged_attn {args.tagged_attn}: ok, "
+          f"tagged_attn {args.tagged_attn}, attn_merge {m.attn_merge}: ok, "
           f"stream slots {m.pk.stream_layout().slots}")
     return 0
 

@@ -72,3 +72,15 @@ def test_occupancy_gives_each_calls_stages_per_warp_as_its_reads_begin(bench):
     assert out["gate_up"]["issued_unread_per_warp"] == pytest.approx(5.5)
     assert out["down"]["landed_per_warp"] == 0 and out["down"]["issued_unread_per_warp"] == 3
     assert "landed" in bench.occupancy_text({"stream_waits": list(out.values())})
+
+
+def test_contexts_keep_the_shape_and_its_decode_headroom(bench):
+    """--contexts: each config at other prefilled lengths, the same shape and the same decode headroom."""
+    from megart.models import llama
+    base = llama.config("1b_128")
+    c = bench.at_context(base, 512)
+    assert (c.prefill, c.max_seq - c.prefill, c.d, c.layers, c.vocab) == (512, base.max_seq - base.prefill, 2048, 16,
+                                                                          base.vocab)
+    assert c.name != base.name and bench.at_context(base, None) is base
+    with pytest.raises(SystemExit, match="at least 1"):
+        bench.at_context(base, 0)

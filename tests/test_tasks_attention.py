@@ -542,5 +542,11 @@ def test_pos_stamp_is_one_tagged_word_and_chooses_the_forms_compiled_in():
     _raises(lambda: pk.task("pos_advance", pos=t["pos"], pos_next=plain, pos_stamp=plain),
             "pos_stamp must be one tagged word")
     attn = megart.registry.get("attention_decode")
-    assert attn.macros_for([{"pos_stamp": None}, {"pos_stamp": two}], 256) == {"MEGART_ATTN_UNSTAMPED": 1}
-    assert attn.macros_for([{"pos_stamp": two, "k_new": two}], 256) == {"MEGART_ATTN_TAGGED": 1}
+    po, arr, off = dict(part_o=t["po"]), dict(part_o=t["po"], arrivals=two), {"MEGART_ATTN_FUSED_MERGE": 0}
+    assert attn.macros_for([{"pos_stamp": None, **po}, {"pos_stamp": two, **po}], 256) == {
+        "MEGART_ATTN_UNSTAMPED": 1, **off}
+    assert attn.macros_for([{"pos_stamp": two, "k_new": two, **po}], 256) == {"MEGART_ATTN_TAGGED": 1, **off}
+    # the direct form's store (an instance without partials) and the fused merge (one with arrivals) likewise
+    assert attn.macros_for([{"pos_stamp": two, **arr}], 256) == {"MEGART_ATTN_FUSED_MERGE": 1}
+    assert attn.macros_for([{"pos_stamp": two}, {"pos_stamp": two, **arr}], 256) == {
+        "MEGART_ATTN_DIRECT": 1, "MEGART_ATTN_FUSED_MERGE": 1}
