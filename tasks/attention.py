@@ -48,6 +48,13 @@ def _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq):
     return qr, kr, vr, group, ms
 
 
+def _kv_head(kr, vr, new, h: int, ms: int, hd: int):
+    """kv head h's cache refs (the whole head: pos is dynamic) and, in the tagged form (`new`), its new rows."""
+    rows = dict(k_new=None, v_new=None) if new is None else {
+        f"{k}_new": r.tensor.ref(r.offset + h * hd, hd) for k, r in new.items()}
+    return kr.tensor.ref(kr.offset + h * ms * hd, ms * hd), vr.tensor.ref(vr.offset + h * ms * hd, ms * hd), rows
+
+
 def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o=None, part_ml=None, n_q, n_kv, hd, max_seq=None,
                 chunk=0, chunks=None, min_chunk=0, scale=None, out=None, arrivals=None, k_new=None, v_new=None,
                 pos_stamp=None, width=None):
@@ -86,10 +93,7 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o=None, part_ml=N
     stamp = pos_stamp_ref(T, pos_stamp)   # (the weight stream's producer reads pos once it is stamped)
     res = []
     for h in range(n_kv):
-        k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
-        v_ref = vr.tensor.ref(vr.offset + h * ms * hd, ms * hd)
-        rows = dict(k_new=None, v_new=None) if new is None else {
-            f"{k}_new": r.tensor.ref(r.offset + h * hd, hd) for k, r in new.items()}
+        k_ref, v_ref, rows = _kv_head(kr, vr, new, h, ms, hd)
         for g0, ng in head_subgroups(group):
             q_ref = qr.tensor.ref(qr.offset + (h * group + g0) * hd, ng * hd)
             for c in range(nch):
@@ -124,10 +128,7 @@ def _direct_split(T, qr, kr, vr, pr, orf, group, ms, *, n_q, n_kv, hd, chunk, ch
     stamp = pos_stamp_ref(T, pos_stamp)
     res = []
     for h in range(n_kv):
-        k_ref = kr.tensor.ref(kr.offset + h * ms * hd, ms * hd)
-        v_ref = vr.tensor.ref(vr.offset + h * ms * hd, ms * hd)
-        rows = dict(k_new=None, v_new=None) if new is None else {
-            f"{k}_new": r.tensor.ref(r.offset + h * hd, hd) for k, r in new.items()}
+        k_ref, v_ref, rows = _kv_head(kr, vr, new, h, ms, hd)
         for g0, ng in subgroups:
             first = (h * group + g0) * hd
             res.append(dict(q=qr.tensor.ref(qr.offset + first, ng * hd), k_cache=k_ref, v_cache=v_ref, pos=pr,
