@@ -91,3 +91,19 @@ def test_the_direct_form_compiles_only_its_own_paths():
     dm, fm = direct.pk.kernel_config().defines, fused.pk.kernel_config().defines
     assert dm["MEGART_ATTN_DIRECT"] == 1 and dm["MEGART_ATTN_FUSED_MERGE"] == 0 and dm["MEGART_ATTN_GROUP_MASK"] == "0x2"
     assert "MEGART_ATTN_DIRECT" not in fm and fm["MEGART_ATTN_FUSED_MERGE"] == 1
+
+
+def test_the_direct_forms_width_is_checked_before_anything_is_built():
+    """tiles['attn_width'] applies to the direct form only, and must be a positive integer (a zero width used to
+    reach a division in the body macros); a width past the group is the whole group."""
+    cfg = llama.tiny()
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="attn_width"):
+            llama.LlamaModel(cfg, device="cpu", nw=8, init="empty", attn_merge="direct", tiles={"attn_width": bad},
+                             compile=False)
+    with pytest.raises(ValueError, match="attn_merge='direct' only"):
+        llama.LlamaModel(cfg, device="cpu", nw=8, init="empty", tiles={"attn_width": 1}, compile=False)
+    wide = llama.LlamaModel(cfg, device="cpu", nw=8, init="empty", attn_merge="direct", tiles={"attn_width": 64},
+                            compile=False)
+    att = [i for i in wide.pk.graph.instances if i.type.name == "attention_decode"]
+    assert {i.params["group"] for i in att} == {cfg.group} and len(att) == cfg.layers * cfg.n_kv

@@ -237,6 +237,13 @@ class LlamaModel:
             raise ValueError(f"deps must be 'explicit' or 'infer', got {deps!r}")
         if attn_merge not in ATTN_MERGE:
             raise ValueError(f"attn_merge must be one of {ATTN_MERGE}, got {attn_merge!r}")
+        width = (tiles or {}).get("attn_width")
+        if width is not None and attn_merge != "direct":
+            raise ValueError(f"tiles['attn_width'] (q heads per attention instance) applies to attn_merge='direct' "
+                             f"only; attn_merge is {attn_merge!r}")
+        if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
+            raise ValueError(f"tiles['attn_width'] must be a positive integer (q heads per attention instance), "
+                             f"got {width!r}")
         tagged = self.tagged_default if tagged is None else tagged
         if not isinstance(tagged, bool):
             raise ValueError(f"tagged must be True or False, got {tagged!r}")
