@@ -63,6 +63,8 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity
   while (!mbar_test(b, parity)) {
   }
 }
+// A wait on arrivals of the CTA's own threads (not a copy's bytes): the same wait on the device.
+__device__ __forceinline__ void mbar_wait_cta(unsigned long long* b, unsigned parity) { mbar_wait(b, parity); }
 // The slot was last read through the generic proxy; order those reads before the async-proxy write.
 __device__ __forceinline__ void bulk_load(const void* dst, const void* src, unsigned bytes, unsigned long long* b) {
   asm volatile("fence.proxy.async.shared::cta;\n\t"
@@ -102,6 +104,12 @@ inline bool mbar_test(unsigned long long* b, unsigned parity) {
 inline bool mbar_poll(unsigned long long* b, unsigned parity) { return mbar_test(b, parity); }
 inline void mbar_wait(unsigned long long* b, unsigned parity) {
   if (!mbar_test(b, parity)) megart_host_fault("mbarrier wait on a phase that never completes");
+}
+// The CTA's own threads complete it: the fiber lets them run until they have (a phase they never complete
+// leaves every fiber waiting, which the simulation reports as stuck).
+inline void mbar_wait_cta(unsigned long long* b, unsigned parity) {
+  while (!mbar_test(b, parity) && !megart_hs_fault) hostsim::yield();
+  ++hostsim::progress;
 }
 inline void bulk_load(const void* dst, const void* src, unsigned bytes, unsigned long long*) {
   if (reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16 || bytes % 16 || !bytes)

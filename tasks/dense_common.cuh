@@ -180,6 +180,43 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
   span_mark(0);  // (profiled builds: x staged)
 }
 
+// x in pieces (MEGART_DENSE_X_PIECES, opt-in; tasks/gemv_m1.cuh): a tagged x with no norm is staged as stage_x
+// does, chunk c by thread c mod MEGART_THREADS, but no barrier ends it. Each warp stages 32 consecutive chunks at
+// a time, all in one piece of `piece` chunks (one weight stage's), and arrives on the piece's mbarrier once its
+// lanes have stored them; a stage's dots wait for their piece alone (XPieces), so a matvec begins on the pieces
+// that have landed while the last writer of x is still finishing. The mbarriers lie in the scratch's upper half
+// (the K-split combine uses its lower half). Ends with them initialised and every arrival issued.
+#ifndef MEGART_DENSE_X_PIECES
+#define MEGART_DENSE_X_PIECES 0
+#endif
+constexpr int kMaxXPieces = kScratchBytes / 2 / 8;
+__device__ __forceinline__ unsigned long long* x_piece_bars(float* scratch) {
+  return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(scratch) + kScratchBytes / 2);
+}
+// Whether x of k elements can be staged in pieces of `piece` chunks: whole pieces, at most kMaxXPieces.
+__device__ __forceinline__ bool x_in_pieces(int k, int piece) {
+  const int kc = k >> 3;
+  return (k & 7) == 0 && kc % piece == 0 && kc / piece <= kMaxXPieces;
+}
+template <int kPiece>
+__device__ __forceinline__ void stage_x_pieces(const __nv_bfloat16* x, int k, uint4* xs, float* scratch) {
+  static_assert(kPiece % 32 == 0, "a warp's 32 chunks lie in one piece");
+  const int kc = k >> 3, lane = threadIdx.x & 31;
+  unsigned long long* bars = x_piece_bars(scratch);
+  if ((int)threadIdx.x < kc / kPiece) mbar_init<kPiece / 32>(bars + threadIdx.x);
+  __syncthreads();  // (initialised before any arrival)
+  for (int c0 = threadIdx.x - lane; c0 < kc; c0 += MEGART_THREADS) {
+    xs[c0 + lane] = ld_tagged8(x, 8 * (c0 + lane));
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bars + c0 / kPiece);
+  }
+}
+// After every warp's last wait: the pieces' mbarriers back to plain shared memory.
+__device__ __forceinline__ void x_pieces_done(int k, int piece, float* scratch) {
+  __syncthreads();
+  if ((int)threadIdx.x < (k >> 3) / piece) mbar_inval(x_piece_bars(scratch) + threadIdx.x);
+}
+
 }  // namespace dense
 }  // namespace megart
 

@@ -402,15 +402,17 @@ __device__ __forceinline__ bool dense_stage_next(WarpStream& ws, int warp, int s
 }
 namespace dense {
 
-// matvec (below) with the weights coming from the stream: same work split, same sums.
-template <bool FP8, class Epi>
-__device__ __forceinline__ void matvec_stream(int groups, int kc, const uint4* xs, float* red, Epi epi) {
+// matvec (below) with the weights coming from the stream: same work split, same sums. xw(c): x's chunks from c on,
+// as far as the stage reads, are staged (XPieces below; NoXWait: all of x was staged before).
+template <bool FP8, class Epi, class XW>
+__device__ __forceinline__ void matvec_stream(int groups, int kc, const uint4* xs, float* red, Epi epi, XW xw) {
   const int warp = threadIdx.x >> 5;
   StageCursor st(groups, kc, warp);
   unsigned j = stream_read_begin(warp);  // (the warp's stages read so far: its next stage's number)
   auto consume_segment = [&](float (&acc)[2]) {
     const int k = st.k;
     while (st.live && st.k == k) {
+      xw(st.c);
       const uint4* slot = reinterpret_cast<const uint4*>(stream_acquire(warp, j));
       dot2_stage<FP8>(slot, xs, st.c, min(kStageChunks, st.s.c1 - st.c), acc);
       stream_release(warp, j);
@@ -422,6 +424,21 @@ __device__ __forceinline__ void matvec_stream(int groups, int kc, const uint4* x
   stream_read_end(warp, j);
 }
 #endif  // MEGART_STREAM_SLOTS > 0
+
+// x staged whole before the matvec: nothing to wait for.
+struct NoXWait {
+  __device__ __forceinline__ void operator()(int) const {}
+  __device__ __forceinline__ void all(int) const {}
+};
+// x staged in pieces of one stage's chunks (MEGART_DENSE_X_PIECES, tasks/gemv_m1.cuh): piece i is complete once the
+// kStageChunks / 32 warps that stage its chunks have arrived on bars[i]; a stage at chunk c waits for its piece.
+struct XPieces {
+  unsigned long long* bars;
+  __device__ __forceinline__ void operator()(int c) const { mbar_wait_cta(bars + c / kStageChunks, 0); }
+  __device__ __forceinline__ void all(int kc) const {
+    for (int c = 0; c < kc; c += kStageChunks) (*this)(c);
+  }
+};
 
 // A matvec's work: `groups` row pairs of `kc` 16-byte chunks each, rows named by `rows`. A task with a
 // prewait builds it once (plan_<name>) for both the prewait's ring_fill and the body.
@@ -455,17 +472,18 @@ __device__ __forceinline__ void prefetch_epilogues(int, NoPre) {}
 
 // The engine of a matvec: the launch-wide stream when the type is streamed (P, its params struct, says so),
 // else the per-instance ring its prewait filled (kRing: the type has a prewait, and the kernel a ring), else
-// registers.
-template <bool FP8, class P, bool kRing, class Rows, class Epi>
+// registers. x in pieces (xw): the stream waits for each stage's piece, the other engines for all of them.
+template <bool FP8, class P, bool kRing, class Rows, class Epi, class XW>
 __device__ __forceinline__ void matvec_engines(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
-                                               char* smem) {
+                                               char* smem, XW xw) {
 #if MEGART_STREAM_SLOTS > 0
   if constexpr (StreamOn<P>::value) {
-    matvec_stream<FP8>(m.groups, m.kc, xs, red, epi);
+    matvec_stream<FP8>(m.groups, m.kc, xs, red, epi, xw);
     span_mark(1);
     return;
   }
 #endif
+  xw.all(m.kc);
   if constexpr (kRing && kRingSlots > 0)
     matvec_ring<FP8>(m.groups, m.kc, xs, red, m.rows, epi, smem);
   else
@@ -473,19 +491,19 @@ __device__ __forceinline__ void matvec_engines(const MatvecPlan<Rows>& m, const 
   span_mark(1);  // (profiled builds: the dots and their epilogues done, on warp 0)
 }
 // Before the engine: ask for the epilogues' operands (pre).
-template <bool FP8, class P, bool kRing, class Rows, class Epi, class Pre>
+template <bool FP8, class P, bool kRing, class Rows, class Epi, class Pre, class XW>
 __device__ __forceinline__ void matvec_entry(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
-                                             char* smem, Pre pre) {
+                                             char* smem, Pre pre, XW xw) {
   prefetch_epilogues(m.groups, pre);
-  matvec_engines<FP8, P, kRing>(m, xs, red, epi, smem);
+  matvec_engines<FP8, P, kRing>(m, xs, red, epi, smem, xw);
 }
 
 // The body side of a task with a prewait: weights from the stream, from the ring the prewait filled, or through
 // registers when this kernel has neither (MEGART_DENSE_RING_SLOTS == 0: the prewait did nothing).
-template <bool FP8, class P, class Rows, class Epi, class Pre = NoPre>
+template <bool FP8, class P, class Rows, class Epi, class Pre = NoPre, class XW = NoXWait>
 __device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
-                                                 char* smem, Pre pre = Pre{}) {
-  matvec_entry<FP8, P, true>(m, xs, red, epi, smem, pre);
+                                                 char* smem, Pre pre = Pre{}, XW xw = XW{}) {
+  matvec_entry<FP8, P, true>(m, xs, red, epi, smem, pre, xw);
 }
 
 // The body side of a type without a prewait (qkv_rope_append): weights from the launch-wide stream when
@@ -493,7 +511,7 @@ __device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, cons
 template <bool FP8, class P, class Rows, class Epi, class Pre = NoPre>
 __device__ __forceinline__ void matvec_streamed(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
                                                 Pre pre = Pre{}) {
-  matvec_entry<FP8, P, false>(m, xs, red, epi, nullptr, pre);
+  matvec_entry<FP8, P, false>(m, xs, red, epi, nullptr, pre, NoXWait{});
 }
 
 }  // namespace dense

@@ -10,11 +10,24 @@ __device__ __forceinline__ void megart_task_gemv_m1(const P& p, char* smem) {
   using namespace megart;
   using namespace megart::dense;
   uint4* xs = xs_of(smem);
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), PartsSum{},
-          p.flags & kFlagTaggedX);
   const int lane = threadIdx.x & 31;
-  matvec_prewaited<false, P>(plan_gemv_m1(p), xs, scratch_of(smem), [&](int g, float a, float b) {
+  auto epi = [&](int g, float a, float b) {
     const int r = 2 * g + lane;
     if (lane < 2 && r < p.n) gemv_store(p, r, (lane ? b : a));
-  }, smem);
+  };
+#if MEGART_DENSE_X_PIECES && MEGART_STREAM_SLOTS > 0
+  // A streamed matvec of a tagged x with no norm: its stages' dots begin as their pieces of x land (dense_common.cuh).
+  if constexpr (StreamOn<P>::value) {
+    if ((p.flags & (kFlagTaggedX | kFlagNorm)) == kFlagTaggedX && x_in_pieces(p.k, kStageChunks)) {
+      stage_x_pieces<kStageChunks>(p.x, p.k, xs, scratch_of(smem));
+      matvec_prewaited<false, P>(plan_gemv_m1(p), xs, scratch_of(smem), epi, smem, NoPre{},
+                                 XPieces{x_piece_bars(scratch_of(smem))});
+      x_pieces_done(p.k, kStageChunks, scratch_of(smem));
+      return;
+    }
+  }
+#endif
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), PartsSum{},
+          p.flags & kFlagTaggedX);
+  matvec_prewaited<false, P>(plan_gemv_m1(p), xs, scratch_of(smem), epi, smem);
 }

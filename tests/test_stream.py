@@ -327,3 +327,38 @@ def test_auto_declines_a_stream_that_spills():
     forced.pk.compile()
     assert forced.pk.stream_declined is None and forced.pk.stream_layout().slots == 5
     assert forced.pk.report.spill_bytes > 0          # what "auto" avoided
+
+
+PIECES = {"MEGART_STREAM_SLOTS": 8, "MEGART_STREAM_STAGE": 64, "MEGART_DENSE_X_PIECES": 1}
+
+
+def _tiny_ffn_steps(defines, overrides=None, steps=2):
+    """Two tiny decode steps (ffn 1,024: down's x is two pieces of 64 chunks) through the host-run bodies."""
+    from megart.models import llama
+    from megart.models.llama_config import clone_kv
+    cfg = llama.tiny().with_(name="tiny_ffn1k", ffn=1024)
+    m = llama.LlamaModel(cfg, device="cpu", nw=4, kv=clone_kv(llama.make_kv_cache(cfg, 1)), defines=defines,
+                         compile=False)
+    m.pk.source_overrides = overrides or {}
+    m.compile()
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in dense_hostsim.run(m.pk, steps=steps).items()}
+
+
+def test_x_in_pieces_gives_the_register_engines_bits():
+    """MEGART_DENSE_X_PIECES=1 (opt-in): a streamed gemv_m1 of a tagged x without a norm (the Llama step's down
+    projection) stages x in pieces of one weight stage, each completed by an mbarrier its stager warps arrive on,
+    and each stage's dots wait for their own piece only; every tensor of two steps equals the register engine's."""
+    regs, pieces = _tiny_ffn_steps({"MEGART_STREAM_SLOTS": 0}), _tiny_ffn_steps(PIECES)
+    assert regs.keys() == pieces.keys()
+    for k, v in regs.items():
+        assert torch.equal(pieces[k], v), k
+
+
+def test_hostsim_catches_a_piece_of_x_never_staged(tmp_path):
+    """Without the stager warps' arrival every compute warp waits on a piece that never completes: the host
+    simulation reports threads stuck (on the device: the watchdog), and so shows the pieces path ran."""
+    from test_dense_engines import _broken
+    src = _broken(tmp_path, "    if (lane == 0) mbar_arrive(bars + c0 / kPiece);\n", "")
+    with pytest.raises(dense_hostsim.HostSimError, match="stuck"):
+        _tiny_ffn_steps(PIECES, src, steps=1)

@@ -124,6 +124,8 @@ inline void arrive(Bar& b) {
   while (b.gen == gen) switch_to(f.ctx, main_ctx);
   f.wait = nullptr;
 }
+// A fiber that waits on something other fibers of the CTA complete (an mbarrier they arrive on) lets them run.
+inline void yield() { switch_to(fibers[cur].ctx, main_ctx); }
 inline void trampoline() {
   body();
   fibers[cur].done = true;
