@@ -226,6 +226,10 @@ def compile_source(src: Source, arch: str, use_cache: bool = True) -> Compiled:
     from .codegen import KERNEL_NAME
     text = "".join(log.parts)
     report = parse_ptxas(text, KERNEL_NAME)
+    if report.registers == 0:   # (every kernel uses registers: the log said nothing readable about this one)
+        warnings.warn(f"megart: the ptxas log names no register count for {KERNEL_NAME} ({len(text)} characters "
+                      "of log), so its report reads 0 registers and 0 spill bytes: the spill checks cannot see "
+                      "this build, and co-residency rests on the driver's count", RuntimeWarning, stacklevel=2)
     compiled = Compiled(bytes(obj.code), report, key, arch, False, text)
     if d is not None:
         _store(d, key, compiled, src)

@@ -88,6 +88,16 @@ def test_parse_ptxas_report():
     assert r.spill_bytes == 20
 
 
+def test_a_log_without_the_register_count_is_named(monkeypatch):
+    """A compile whose ptxas log says nothing readable about the entry function warns: its report would read 0
+    registers and 0 spill bytes, which the spill checks would take for a clean build."""
+    import megart.compile as mc
+    monkeypatch.setattr(mc, "parse_ptxas", lambda log, kernel: mc.PtxasReport())
+    src = codegen.generate([registry.get("noop")], codegen.KernelConfig())
+    with pytest.warns(RuntimeWarning, match="no register count for megart_kernel"):
+        compile_source(src, "sm_90a", use_cache=False)
+
+
 def test_kernel_defines_types_first_then_the_callers_macros():
     """A type's own macros (defines_for) come from the same config its shared memory is sized with; the
     caller's macros override them, and the sizes follow the override."""
