@@ -117,33 +117,22 @@ def _direct_split(T, qr, kr, vr, pr, orf, group, ms, *, n_q, n_kv, hd, chunk, ch
     require(not chunk and chunks in (None, 1), T, f"the direct form attends one chunk per kv head (chunks=1, "
                                                  f"chunk=0), got chunks={chunks!r}, chunk={chunk!r}")
     require(orf.count == n_q * hd, T, f"out has {orf.count} elements, expected n_q * hd = {n_q * hd}")
-    if width is None:
-        subgroups = head_subgroups(group)
-    else:
-        require(isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= ATTN_SUBGROUP, T,
-                f"width (q heads per instance) must be an integer in [1, {ATTN_SUBGROUP}], got {width!r}")
-        subgroups = [(a, b - a) for a, b in even_tiles(group, -(-group // width))]
+    width = ATTN_SUBGROUP if width is None else width
+    require(isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= ATTN_SUBGROUP, T,
+            f"width (q heads per instance) must be an integer in [1, {ATTN_SUBGROUP}], got {width!r}")
     scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
     new = new_rows(T, qr, k_new, v_new, n_kv, hd)
     stamp = pos_stamp_ref(T, pos_stamp)
     res = []
     for h in range(n_kv):
         k_ref, v_ref, rows = _kv_head(kr, vr, new, h, ms, hd)
-        for g0, ng in subgroups:
+        for g0, ng in head_subgroups(group, width):
             first = (h * group + g0) * hd
             res.append(dict(q=qr.tensor.ref(qr.offset + first, ng * hd), k_cache=k_ref, v_cache=v_ref, pos=pr,
                             part_o=None, part_ml=None, group=ng, hd=hd, chunk=0, cidx=0, nchunks=1,
                             min_chunk=min_chunk, max_seq=ms, scale=scale, out=orf.tensor.ref(orf.offset + first, ng * hd),
                             arrivals=None, tagged_out=int(orf.tensor.tagged), pos_stamp=stamp, **rows))
     return res
-
-
-def direct_widths(group: int, width: int | None) -> set:
-    """The instance widths of the direct form at `width` q heads per instance (None: the whole group, split
-    as head_subgroups)."""
-    if width is None:
-        return {n for _, n in head_subgroups(group)}
-    return {b - a for a, b in even_tiles(group, -(-group // width))}
 
 
 def fused_merge_fits(group: int, hd: int, chunks: int) -> bool:
@@ -181,11 +170,12 @@ def _fused_refs(T, out, arrivals, n_q, n_kv, hd, group, nch):
     return refs
 
 
-def head_subgroups(group: int) -> list[tuple[int, int]]:
-    """(first q head, count) of the instances sharing one kv head: the whole group up to ATTN_SUBGROUP,
-    else the fewest near-equal pieces (9 -> 5 + 4, 16 -> 8 + 8), each a size the device code instantiates.
-    Each piece reads the kv head's K/V itself, so groups over 8 stream it twice."""
-    n = -(-group // ATTN_SUBGROUP)
+def head_subgroups(group: int, width: int = ATTN_SUBGROUP) -> list[tuple[int, int]]:
+    """(first q head, count) of the instances sharing one kv head: the whole group up to `width` q heads
+    (ATTN_SUBGROUP, the widest the device code instantiates; the direct form may ask for fewer), else the fewest
+    near-equal pieces (9 -> 5 + 4, 16 -> 8 + 8). Each piece reads the kv head's K/V itself, so groups over 8
+    stream it twice."""
+    n = -(-group // width)
     return [(a, b - a) for a, b in even_tiles(group, n)]
 
 
@@ -264,10 +254,11 @@ def _attn_cost(*, q, k_cache, pos, n_q, n_kv, hd, out=None, part_o=None, **_):
     return Cost(bytes=cost.bytes + merge.bytes, flops=cost.flops + merge.flops)
 
 
-def body_defines(hd: int, group: int, widths: set | None = None) -> dict:
+def body_defines(hd: int, group: int, width: int = ATTN_SUBGROUP) -> dict:
     """Macros that compile only the attention_decode bodies one shape runs: its head size and the instance
-    widths its GQA group splits into, or `widths` (the models' kernels and the benches that stand in for them)."""
-    mask = sum(1 << n for n in (widths or {n for _, n in head_subgroups(group)}))
+    widths its GQA group splits into at `width` q heads per instance at most (head_subgroups; the models'
+    kernels and the benches that stand in for them)."""
+    mask = sum(1 << n for n in {n for _, n in head_subgroups(group, width)})
     return {"MEGART_ATTN_HD_ONLY": hd, "MEGART_ATTN_GROUP_MASK": hex(mask)}
 
 

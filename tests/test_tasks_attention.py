@@ -22,7 +22,8 @@ from megart.errors import GraphError
 from megart.geometry.attention import (attention_m1, attention_scratch, qkv_m1, ref_attention_decode,
                                        ref_qkv_rope_append, rope_tables)
 from megart.geometry.attention import active_chunks, attention_chunks, chunk_length, chunk_range
-from megart.tasks.attention import body_defines, direct_widths
+from megart.tasks.attention import body_defines
+from megart.tasks.attention_common import ATTN_SUBGROUP
 
 TOL_QKV = megart.registry.get("qkv_rope_append").tol            # TaskType.tol, measured as above
 TOL_ATTN = megart.registry.get("attention_decode").tol
@@ -246,8 +247,7 @@ def _chain_on_the_host(hd, pos, overrides=None, merge="call", defines=None, min_
     sh, ms = SHAPES[hd], 2048
     # (only the attention body this shape runs is compiled, as the models do: the host compile is the slow part)
     group = sh["n_q"] // sh["n_kv"]
-    widths = direct_widths(group, width) if merge == "direct" else None
-    defines = {**body_defines(hd, group, widths=widths), **(defines or {})}
+    defines = {**body_defines(hd, group, width or ATTN_SUBGROUP), **(defines or {})}
     pk = megart.PersistentKernel(nw=NW, device="cpu", source_overrides=overrides or {}, defines=defines, **pk_kw)
     t, r = build_qkv(pk, sh, ms, pos, seed=pos)
     build_attention(pk, t, sh, ms, merge=merge, min_chunk=min_chunk, width=width)

@@ -200,11 +200,10 @@ DIRECT_WIDTH = 1
 
 
 def attention_defines(cfg: LlamaConfig, attn_merge: str = "auto", width: int = DIRECT_WIDTH) -> dict:
-    """Compile only the attention_decode bodies this shape runs (its head size, its instance widths)."""
-    from ..tasks.attention import body_defines, direct_widths
-    if attn_merge != "direct":
-        return body_defines(cfg.hd, cfg.group)
-    return body_defines(cfg.hd, cfg.group, widths=direct_widths(cfg.group, min(width, cfg.group)))
+    """Compile only the attention_decode bodies this shape runs (its head size, its instance widths; the direct
+    form's instances hold at most `width` q heads)."""
+    from ..tasks.attention import body_defines
+    return body_defines(cfg.hd, cfg.group, width) if attn_merge == "direct" else body_defines(cfg.hd, cfg.group)
 
 
 class LlamaModel:
@@ -244,6 +243,7 @@ class LlamaModel:
         if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
             raise ValueError(f"tiles['attn_width'] must be a positive integer (q heads per attention instance), "
                              f"got {width!r}")
+        self.attn_width = min(DIRECT_WIDTH if width is None else width, cfg.group)   # (the direct form's)
         tagged = self.tagged_default if tagged is None else tagged
         if not isinstance(tagged, bool):
             raise ValueError(f"tagged must be True or False, got {tagged!r}")
@@ -265,8 +265,7 @@ class LlamaModel:
         self.pk = PersistentKernel(nw=nw, device=self.device, profile=profile, profile_steps=profile_steps,
                                    threads=default_threads(cfg) if threads is None else threads,
                                    watchdog_s=watchdog_s, sm_count=sm_count,
-                                   defines={**attention_defines(cfg, attn_merge,
-                                                                (tiles or {}).get("attn_width", DIRECT_WIDTH)),
+                                   defines={**attention_defines(cfg, attn_merge, self.attn_width),
                                             **stream_default(defines, self.stream_slots_default),
                                             **(defines or {})}, peers=peers)
         self.nw = self.pk.nw
@@ -441,7 +440,7 @@ class LlamaModel:
         if self.attn_merge == "direct":
             g_att = self._task(p + "attn", "attention_decode", [g_qkv], q=q, k_cache=kct, v_cache=vct, pos=pos,
                                n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, max_seq=c.max_seq, chunks=1, out=a,
-                               width=min(tl["attn_width"], c.group), pos_stamp=self._stamp, **new)
+                               width=self.attn_width, pos_stamp=self._stamp, **new)
             self._attn_calls.append((g_att, dict(k_cache=kct, v_cache=vct, **new)))
             return a, g_att
         po, pm = T(self.part_o[l], p + "part_o"), T(self.part_ml[l], p + "part_ml")
