@@ -114,3 +114,28 @@ def test_streamed_kv_is_bit_identical_to_the_attention_ring(name, tagged_attn, c
     assert len(runs[0]) == len(runs[1])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["1b", "block8b"])
+def test_x_in_pieces_is_bit_identical(name, cuda):
+    """MEGART_DENSE_X_PIECES=1 (down's and o_proj's tagged x staged in pieces behind mbarriers) against the
+    default whole-x staging: the same chunks in the same order, so every logit, token and K/V row bit for bit."""
+    from megart.models import llama
+    cfg = llama.config(name).with_(layers=2)
+    runs, cubins = [], []
+    for defines in ({"MEGART_DENSE_X_PIECES": 1}, {}):
+        m = llama.LlamaModel(cfg, device=cuda, defines=defines)
+        assert m.pk.stream_layout().slots > 0, defines
+        cubins.append(m.pk.compiled.cubin)
+        if cfg.block:
+            xs = llama.make_inputs(cfg, 3, device=cuda)
+            m.reset(cfg.prefill, clear_kv=True)
+            runs.append([m.step(x).clone() for x in xs])
+        else:
+            m.reset(cfg.prefill, token=17, clear_kv=True)
+            runs.append([m.generate(4).clone(), m.logits.clone()])
+        runs[-1] += [k[:, cfg.prefill:cfg.prefill + 4].clone() for k, _ in m.kv]
+        del m
+    assert cubins[0] != cubins[1]              # the pieces path is compiled in, so the test compares two engines
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
