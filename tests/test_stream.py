@@ -359,6 +359,6 @@ def test_hostsim_catches_a_piece_of_x_never_staged(tmp_path):
     """Without the stager warps' arrival every compute warp waits on a piece that never completes: the host
     simulation reports threads stuck (on the device: the watchdog), and so shows the pieces path ran."""
     from test_dense_engines import _broken
-    src = _broken(tmp_path, "    if (lane == 0) mbar_arrive(bars + c0 / kPiece);\n", "")
+    src = _broken(tmp_path, "    mbar_arrive(bars + c0 / kPiece);\n", "")
     with pytest.raises(dense_hostsim.HostSimError, match="stuck"):
         _tiny_ffn_steps(PIECES, src, steps=1)

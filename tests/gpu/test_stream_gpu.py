@@ -118,12 +118,13 @@ def test_streamed_kv_is_bit_identical_to_the_attention_ring(name, tagged_attn, c
 
 @pytest.mark.parametrize("name", ["1b", "block8b"])
 def test_x_in_pieces_is_bit_identical(name, cuda):
-    """MEGART_DENSE_X_PIECES=1 (down's and o_proj's tagged x staged in pieces behind mbarriers) against the
-    default whole-x staging: the same chunks in the same order, so every logit, token and K/V row bit for bit."""
+    """x in pieces (the default: down's and o_proj's tagged x staged in pieces behind mbarriers) against x staged
+    whole (MEGART_DENSE_X_PIECES=0): the same chunks in the same order, so every logit, token and K/V row bit for
+    bit."""
     from megart.models import llama
     cfg = llama.config(name).with_(layers=2)
     runs, cubins = [], []
-    for defines in ({"MEGART_DENSE_X_PIECES": 1}, {}):
+    for defines in ({}, {"MEGART_DENSE_X_PIECES": 0}):
         m = llama.LlamaModel(cfg, device=cuda, defines=defines)
         assert m.pk.stream_layout().slots > 0, defines
         cubins.append(m.pk.compiled.cubin)
