@@ -182,13 +182,20 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
 
 // x in pieces (MEGART_DENSE_X_PIECES, on by default; 0 stages x whole; tasks/gemv_m1.cuh): a tagged x with no norm is staged as stage_x
 // does, chunk c by thread c mod MEGART_THREADS, but no barrier ends it. Each warp stages 32 consecutive chunks at
-// a time, all in one piece of `piece` chunks (one weight stage's), and each lane arrives on the piece's mbarrier once
-// it has stored its chunk; a stage's dots wait for their piece alone (XPieces), so a matvec begins on the pieces
+// a time, all in one piece of `piece` chunks (one weight stage's), and arrives on the piece's mbarrier once its
+// lanes have stored them; a stage's dots wait for their piece alone (XPieces), so a matvec begins on the pieces
 // that have landed while the last writer of x is still finishing. The mbarriers lie in the scratch's upper half
 // (the K-split combine uses its lower half). Ends with them initialised and every arrival issued.
 #ifndef MEGART_DENSE_X_PIECES
 #define MEGART_DENSE_X_PIECES 1  // (measured on the H200: 1B step -16 us at 2k, -23 us at 128 tokens)
 #endif
+// Who arrives: lane 0 once the warp's stores are done (__syncwarp orders them before its release; the default),
+// or every lane after its own store (MEGART_DENSE_X_ARRIVE_ALL=1: each arrive releases that lane's store, which
+// racecheck follows; it reports the default form as a race).
+#ifndef MEGART_DENSE_X_ARRIVE_ALL
+#define MEGART_DENSE_X_ARRIVE_ALL 0
+#endif
+constexpr bool kXArriveAll = MEGART_DENSE_X_ARRIVE_ALL != 0;
 constexpr int kMaxXPieces = kScratchBytes / 2 / 8;
 __device__ __forceinline__ unsigned long long* x_piece_bars(float* scratch) {
   return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(scratch) + kScratchBytes / 2);
@@ -203,13 +210,16 @@ __device__ __forceinline__ void stage_x_pieces(const __nv_bfloat16* x, int k, ui
   static_assert(kPiece % 32 == 0, "a warp's 32 chunks lie in one piece");
   const int kc = k >> 3, lane = threadIdx.x & 31;
   unsigned long long* bars = x_piece_bars(scratch);
-  if ((int)threadIdx.x < kc / kPiece) mbar_init<kPiece>(bars + threadIdx.x);
+  if ((int)threadIdx.x < kc / kPiece) mbar_init<kXArriveAll ? kPiece : kPiece / 32>(bars + threadIdx.x);
   __syncthreads();  // (initialised before any arrival)
-  // Every lane arrives after its own store: each arrive releases that lane's store (the PTX model's plain form,
-  // as the ring's "empty" barriers do). One arrive after __syncwarp is correct too, but racecheck reported it.
   for (int c0 = threadIdx.x - lane; c0 < kc; c0 += MEGART_THREADS) {
     xs[c0 + lane] = ld_tagged8(x, 8 * (c0 + lane));
-    mbar_arrive(bars + c0 / kPiece);
+    if constexpr (kXArriveAll) {
+      mbar_arrive(bars + c0 / kPiece);
+    } else {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bars + c0 / kPiece);
+    }
   }
 }
 // After every warp's last wait: the pieces' mbarriers back to plain shared memory.

@@ -431,7 +431,7 @@ struct NoXWait {
   __device__ __forceinline__ void all(int) const {}
 };
 // x staged in pieces of one stage's chunks (MEGART_DENSE_X_PIECES, tasks/gemv_m1.cuh): piece i is complete once the
-// kStageChunks threads that stage its chunks have arrived on bars[i]; a stage at chunk c waits for its piece.
+// kStageChunks / 32 warps that stage its chunks have arrived on bars[i]; a stage at chunk c waits for its piece.
 struct XPieces {
   unsigned long long* bars;
   __device__ __forceinline__ void operator()(int c) const { mbar_wait_cta(bars + c / kStageChunks, 0); }

@@ -345,11 +345,14 @@ def _tiny_ffn_steps(defines, overrides=None, steps=2):
     return {k: v.clone() for k, v in dense_hostsim.run(m.pk, steps=steps).items()}
 
 
-def test_x_in_pieces_gives_the_register_engines_bits():
-    """MEGART_DENSE_X_PIECES=1 (opt-in): a streamed gemv_m1 of a tagged x without a norm (the Llama step's down
-    projection) stages x in pieces of one weight stage, each completed by an mbarrier its stager warps arrive on,
-    and each stage's dots wait for their own piece only; every tensor of two steps equals the register engine's."""
-    regs, pieces = _tiny_ffn_steps({"MEGART_STREAM_SLOTS": 0}), _tiny_ffn_steps(PIECES)
+@pytest.mark.parametrize("arrive_all", [0, 1])
+def test_x_in_pieces_gives_the_register_engines_bits(arrive_all):
+    """MEGART_DENSE_X_PIECES=1 (the default): a streamed gemv_m1 of a tagged x without a norm (the Llama step's down
+    projection) stages x in pieces of one weight stage, each completed by an mbarrier its stager warps (or, with
+    MEGART_DENSE_X_ARRIVE_ALL=1, every stager lane) arrive on, and each stage's dots wait for their own piece only;
+    every tensor of two steps equals the register engine's."""
+    pieces = _tiny_ffn_steps({**PIECES, "MEGART_DENSE_X_ARRIVE_ALL": arrive_all})
+    regs = _tiny_ffn_steps({"MEGART_STREAM_SLOTS": 0})
     assert regs.keys() == pieces.keys()
     for k, v in regs.items():
         assert torch.equal(pieces[k], v), k
@@ -359,6 +362,6 @@ def test_hostsim_catches_a_piece_of_x_never_staged(tmp_path):
     """Without the stager warps' arrival every compute warp waits on a piece that never completes: the host
     simulation reports threads stuck (on the device: the watchdog), and so shows the pieces path ran."""
     from test_dense_engines import _broken
-    src = _broken(tmp_path, "    mbar_arrive(bars + c0 / kPiece);\n", "")
+    src = _broken(tmp_path, "      if (lane == 0) mbar_arrive(bars + c0 / kPiece);\n", "")
     with pytest.raises(dense_hostsim.HostSimError, match="stuck"):
         _tiny_ffn_steps(PIECES, src, steps=1)
