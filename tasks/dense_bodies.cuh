@@ -82,18 +82,18 @@ __device__ __forceinline__ void gemv_store(const P& p, int r, float v) {
   else p.y[r] = y;
 }
 
-// The gate/up body (gate_up_silu, gate_up_silu_fp8): h[g] = bf16(silu(gate) * up) in fp32 (FP8: each dot
-// times its row's scale first).
-template <bool FP8, class P, class Rows>
-__device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>& plan, const float* s_gate,
-                                             const float* s_up, char* smem) {
-  uint4* xs = xs_of(smem);
-  PartsSum sum;
-  if (p.flags & kFlagParts) sum = PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), sum, p.flags & kFlagTaggedX);
+// The gate/up matvec and epilogue: h[g] = bf16(silu(gate) * up) in fp32 (FP8: each dot times its row's scale
+// first; a normed x in pieces: times x's norm factor before that, XScale).
+template <bool FP8, class P, class Rows, class XW>
+__device__ __forceinline__ void gate_up_matvec(const P& p, const MatvecPlan<Rows>& plan, const float* s_gate,
+                                               const float* s_up, char* smem, XW xw) {
   const int lane = threadIdx.x & 31;
   const bool tag_out = p.flags & kFlagTaggedOut;
+  XScale<XW> x_scale{xw};
   auto epi = [&](int g, float gate, float up) {
+    const float r = x_scale();
+    gate *= r;
+    up *= r;
     if constexpr (FP8) {
       gate *= __ldg(s_gate + g);
       up *= __ldg(s_up + g);
@@ -104,12 +104,38 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
       else p.h[g] = h;
     }
   };
-  matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) {
+  matvec_prewaited<FP8, P>(plan, xs_of(smem), scratch_of(smem), epi, smem, [&](int g) {
     if constexpr (FP8) {
       prefetch_l1(s_gate + g);
       prefetch_l1(s_up + g);
     }
-  });
+  }, xw);
+}
+
+// The gate/up body (gate_up_silu, gate_up_silu_fp8): x staged (normed, or in pieces), then the matvec above.
+template <bool FP8, class P, class Rows>
+__device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>& plan, const float* s_gate,
+                                             const float* s_up, char* smem) {
+  uint4* xs = xs_of(smem);
+  float* scratch = scratch_of(smem);
+#if MEGART_DENSE_NORM_PIECES && MEGART_STREAM_SLOTS > 0
+  // A streamed instance of a tagged, normed x (the residual stream): its dots begin as x's pieces land
+  // (dense_common.cuh).
+  if constexpr (StreamOn<P>::value) {
+    if ((p.flags & (kFlagTaggedX | kFlagNorm | kFlagParts)) == (kFlagTaggedX | kFlagNorm) &&
+        x_norm_in_pieces(p.k, kStageChunks)) {
+      stage_x_pieces<kStageChunks, true>(p.x, p.k, xs, scratch, p.norm_weight);
+      gate_up_matvec<FP8, P>(p, plan, s_gate, s_up, smem,
+                             XPiecesNorm{{x_piece_bars(scratch)}, x_norm_sums(scratch), p.k, p.eps});
+      x_pieces_done(p.k, kStageChunks, scratch);
+      return;
+    }
+  }
+#endif
+  PartsSum sum;
+  if (p.flags & kFlagParts) sum = PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch, sum, p.flags & kFlagTaggedX);
+  gate_up_matvec<FP8, P>(p, plan, s_gate, s_up, smem, NoXWait{});
 }
 
 // The LM head's body (lm_head_argmax, lm_head_argmax_fp8): the logits of the instance's rows (FP8: times

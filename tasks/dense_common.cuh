@@ -205,15 +205,49 @@ __device__ __forceinline__ bool x_in_pieces(int k, int piece) {
   const int kc = k >> 3;
   return (k & 7) == 0 && kc % piece == 0 && kc / piece <= kMaxXPieces;
 }
-template <int kPiece>
-__device__ __forceinline__ void stage_x_pieces(const __nv_bfloat16* x, int k, uint4* xs, float* scratch) {
+
+// A normed x in pieces (MEGART_DENSE_NORM_PIECES, opt-in: gate_up and qkv, whose x is the residual stream): the
+// pieces hold bf16(x * g) and each stager warp's sum of x^2 (its groups in order, each a warp_sum) goes to its
+// slot at the scratch's end before it arrives; the matvec's sums are multiplied by rsqrt(mean(x^2) + eps) after
+// the dots (XPiecesNorm::rstd), which needs every piece. So RMSNorm no longer waits for all of x before the
+// first dot. Not stage_x's bits: it rounds bf16(x * rstd * g) and sums the squares per thread.
+#ifndef MEGART_DENSE_NORM_PIECES
+#define MEGART_DENSE_NORM_PIECES 0
+#endif
+__device__ __forceinline__ float* x_norm_sums(float* scratch) {
+  return reinterpret_cast<float*>(reinterpret_cast<char*>(scratch) + kScratchBytes) - kWarps;
+}
+// Whether a normed x of k elements fits: whole pieces, whose mbarriers and the warps' sums share the upper half.
+__device__ __forceinline__ bool x_norm_in_pieces(int k, int piece) {
+  const int kc = k >> 3;
+  return (k & 7) == 0 && kc % piece == 0 && 8 * (kc / piece) + 4 * kWarps <= kScratchBytes / 2;
+}
+template <int kPiece, bool kNorm = false>
+__device__ __forceinline__ void stage_x_pieces(const __nv_bfloat16* x, int k, uint4* xs, float* scratch,
+                                               const __nv_bfloat16* g = nullptr) {
   static_assert(kPiece % 32 == 0, "a warp's 32 chunks lie in one piece");
   const int kc = k >> 3, lane = threadIdx.x & 31;
   unsigned long long* bars = x_piece_bars(scratch);
   if ((int)threadIdx.x < kc / kPiece) mbar_init<kXArriveAll ? kPiece : kPiece / 32>(bars + threadIdx.x);
   __syncthreads();  // (initialised before any arrival)
+  float ss = 0.f;
   for (int c0 = threadIdx.x - lane; c0 < kc; c0 += MEGART_THREADS) {
-    xs[c0 + lane] = ld_tagged8(x, 8 * (c0 + lane));
+    if constexpr (kNorm) {
+      const uint4 gw = ld_weight(g + 8 * (c0 + lane));  // (issued before x's poll: the two round trips overlap)
+      float f[8], h[8], s = 0.f;
+      unpack8(ld_tagged8(x, 8 * (c0 + lane)), f);
+      unpack8(gw, h);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        s = fmaf(f[i], f[i], s);
+        f[i] *= h[i];
+      }
+      xs[c0 + lane] = pack8(f);
+      ss += warp_sum(s);
+      if (lane == 0) x_norm_sums(scratch)[threadIdx.x >> 5] = ss;  // (final at the warp's last arrive)
+    } else {
+      xs[c0 + lane] = ld_tagged8(x, 8 * (c0 + lane));
+    }
     if constexpr (kXArriveAll) {
       mbar_arrive(bars + c0 / kPiece);
     } else {

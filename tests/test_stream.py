@@ -365,3 +365,35 @@ def test_hostsim_catches_a_piece_of_x_never_staged(tmp_path):
     src = _broken(tmp_path, "      if (lane == 0) mbar_arrive(bars + c0 / kPiece);\n", "")
     with pytest.raises(dense_hostsim.HostSimError, match="stuck"):
         _tiny_ffn_steps(PIECES, src, steps=1)
+
+
+NORM_PIECES = {"MEGART_STREAM_SLOTS": 8, "MEGART_STREAM_STAGE": 64, "MEGART_DENSE_NORM_PIECES": 1}
+
+
+def _tiny_d1k_step(defines, overrides=None):
+    """One tiny decode step at d 1,024 (qkv's and gate_up's normed x: two pieces of 64 chunks), host-run bodies."""
+    from megart.models import llama
+    from megart.models.llama_config import clone_kv
+    cfg = llama.tiny().with_(name="tiny_d1k", d=1024, ffn=1024)
+    m = llama.LlamaModel(cfg, device="cpu", nw=4, kv=clone_kv(llama.make_kv_cache(cfg, 1)), defines=defines,
+                         compile=False)
+    m.pk.source_overrides = overrides or {}
+    m.compile()
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in dense_hostsim.run(m.pk, steps=1).items()}
+
+
+def test_normed_x_in_pieces_stays_within_E_and_its_norm_factor_matters(tmp_path):
+    """MEGART_DENSE_NORM_PIECES=1 (opt-in): qkv and gate_up stage bf16(x * g) in pieces and scale their dots by
+    rsqrt(mean(x^2) + eps) afterwards, so they round differently from RMSNorm-then-dots. The logits of a whole
+    step differ from x staged whole by less than half the GPU gate (what the fp32 and bf16 references differ
+    by at this shape: 0.0077), and by more than ten gates (a feature drop) with the factor left out."""
+    from megart.models import llama
+    gate = 3e-2                                         # the tiny models' GPU gate (tests/test_llama.py)
+    whole = _tiny_d1k_step({k: v for k, v in NORM_PIECES.items() if k != "MEGART_DENSE_NORM_PIECES"})
+    pieces = _tiny_d1k_step(NORM_PIECES)
+    assert not torch.equal(pieces["L1.q"], whole["L1.q"])      # layer 1's qkv took the pieces path
+    assert 0 < llama.relerr(pieces["logits"], whole["logits"]) < gate / 2
+    src = _broken(tmp_path, "    return rsqrtf(t / (float)k + eps);\n", "    return 1.f;\n")
+    dropped = _tiny_d1k_step(NORM_PIECES, src)
+    assert llama.relerr(dropped["logits"], whole["logits"]) > 10 * gate

@@ -140,3 +140,33 @@ def test_x_in_pieces_is_bit_identical(name, cuda):
     assert cubins[0] != cubins[1]              # the pieces path is compiled in, so the test compares two engines
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["1b", "block8b"])
+def test_normed_x_in_pieces_within_the_gate(name, cuda):
+    """MEGART_DENSE_NORM_PIECES=1 (opt-in: qkv and gate_up stage bf16(x * g) in pieces and scale their dots by
+    x's norm factor after them): each of 4 steps within the model's gate of the reference, logits' argmax fed
+    back, and the build differs from the default's."""
+    from megart.models import llama
+    from megart.models.reference import Reference
+    from test_llama_gpu import TOL
+    cfg = llama.config(name).with_(layers=2)
+    m = llama.LlamaModel(cfg, device=cuda, defines={"MEGART_DENSE_NORM_PIECES": 1})
+    assert m.pk.stream_layout().slots > 0
+    assert m.pk.compiled.cubin != llama.LlamaModel(cfg, device=cuda, init="empty").pk.compiled.cubin
+    m.reset(cfg.prefill, clear_kv=True)
+    ref = Reference(cfg, m.weights, m.kv)
+    inputs = llama.make_inputs(cfg, 4, device=cuda)
+    token = None if cfg.block else inputs
+    for s in range(4):
+        pos = cfg.prefill + s
+        if cfg.block:
+            out, want = m.step(inputs[s], pos).clone(), ref.step(inputs[s], pos)
+        else:
+            logits, tok = m.step(token if s == 0 else None)
+            m.sync()
+            out, want = logits.clone(), ref.step(token, pos)
+            assert out[int(tok)] == out.max()
+            token = int(tok)
+        m.sync()
+        assert llama.relerr(out, want) <= TOL[name], (s, llama.relerr(out, want))
