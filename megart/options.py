@@ -32,6 +32,8 @@ OWNED_MACROS = {
     "MEGART_ATTN_TAGGED": "attention_decode's tagged form, compiled in when the graph uses it (k_new given)",
     "MEGART_DENSE_KSPLIT": "the dense engines' K-split path, compiled in when an instance has fewer row pairs than "
                            "half the compute warps plus one (tasks/dense_common.py)",
+    "MEGART_DENSE_TAGGED_X": "the dense engines' x-in-pieces paths, compiled in when an instance reads a tagged x "
+                             "(tasks/dense_common.py)",
     "MEGART_ATTN_UNSTAMPED": "attention_decode's own K/V reads beside the stream's, compiled in when an instance has no pos_stamp",
     "MEGART_ATTN_RING_U": "the attention ring's positions per stage, from MEGART_ATTN_RING_BYTES (tasks/attention_ring.py)",
     "MEGART_ATTN_RING_STAGES": "the attention ring's stages, from MEGART_ATTN_RING_BYTES (tasks/attention_ring.py)",

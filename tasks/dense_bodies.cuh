@@ -118,16 +118,16 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
                                              const float* s_up, char* smem) {
   uint4* xs = xs_of(smem);
   float* scratch = scratch_of(smem);
-#if MEGART_DENSE_NORM_PIECES && MEGART_STREAM_SLOTS > 0
+#if MEGART_DENSE_NORM_PIECES && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
   // A streamed instance of a tagged, normed x (the residual stream): its dots begin as x's pieces land
   // (dense_common.cuh).
   if constexpr (StreamOn<P>::value) {
     if ((p.flags & (kFlagTaggedX | kFlagNorm | kFlagParts)) == (kFlagTaggedX | kFlagNorm) &&
-        x_norm_in_pieces(p.k, kStageChunks)) {
-      stage_x_pieces<kStageChunks, true>(p.x, p.k, xs, scratch, p.norm_weight);
+        x_norm_in_pieces(p.k, kXPieceChunks<FP8>)) {
+      stage_x_pieces<kXPieceChunks<FP8>, true>(p.x, p.k, xs, scratch, p.norm_weight);
       gate_up_matvec<FP8, P>(p, plan, s_gate, s_up, smem,
                              XPiecesNorm{{x_piece_bars(scratch)}, x_norm_sums(scratch), p.k, p.eps});
-      x_pieces_done(p.k, kStageChunks, scratch);
+      x_pieces_done(p.k, kXPieceChunks<FP8>, scratch);
       return;
     }
   }

@@ -189,6 +189,14 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
 #ifndef MEGART_DENSE_X_PIECES
 #define MEGART_DENSE_X_PIECES 1  // (measured on the H200: 1B step -16 us at 2k, -23 us at 128 tokens)
 #endif
+#ifndef MEGART_DENSE_X_PIECES_FP8
+#define MEGART_DENSE_X_PIECES_FP8 0  // the same for gemv_m1_fp8 (opt-in: not yet timed)
+#endif
+// Whether an instance of the kernel reads a tagged x (set from the graph: tasks/dense_common.py's matvec_macros);
+// only those take the pieces paths, so a kernel without one compiles none of them.
+#ifndef MEGART_DENSE_TAGGED_X
+#define MEGART_DENSE_TAGGED_X 1
+#endif
 // Who arrives: lane 0 once the warp's stores are done (__syncwarp orders them before its release; the default),
 // or every lane after its own store (MEGART_DENSE_X_ARRIVE_ALL=1: each arrive releases that lane's store, which
 // racecheck follows; it reports the default form as a race).

@@ -92,13 +92,17 @@ def whole_pairs_from(threads: int) -> int:
     return threads // 32 // 2 + 1
 
 
-def ksplit_macros(pairs):
-    """TaskType.macros_for of a matvec type whose instance `p` has pairs(p) row pairs: MEGART_DENSE_KSPLIT=1
-    when one of them would take the K-split path, else 0 (the path is ~80 KB of code that a step whose
-    instances all deal whole pairs never runs; the 1B step measured 8-15 us faster without it)."""
+def matvec_macros(pairs, tagged_x=lambda p: p.get("flags", 0) & FLAG_TAGGED_X):
+    """TaskType.macros_for of a matvec type whose instance `p` has pairs(p) row pairs and reads a tagged x where
+    tagged_x(p). MEGART_DENSE_KSPLIT=1 when one of them would take the K-split path, else 0 (the path is ~80 KB
+    of code that a step whose instances all deal whole pairs never runs; the 1B step measured 8-15 us faster
+    without it). MEGART_DENSE_TAGGED_X=1 when one reads a tagged x, else 0: only such an x is staged in pieces
+    (MEGART_DENSE_X_PIECES), and a kernel without one leaves that code out (with the K-split path, it made the
+    dense engines' kernels spill)."""
     def macros(params, threads: int) -> dict:
         least = whole_pairs_from(threads)
-        return {"MEGART_DENSE_KSPLIT": int(any(pairs(p) < least for p in params))}
+        return {"MEGART_DENSE_KSPLIT": int(any(pairs(p) < least for p in params)),
+                "MEGART_DENSE_TAGGED_X": int(any(tagged_x(p) for p in params))}
     return macros
 
 

@@ -49,7 +49,7 @@ __device__ __forceinline__ void dot2(const void* const (&w)[2], const uint4* xs,
 constexpr int kWholePairsFrom = kWarps / 2 + 1;
 // The K-split path costs ~80 KB of code in a kernel of every dense type (it is inlined into each engine);
 // codegen compiles it in only where an instance has fewer pairs (MEGART_DENSE_KSPLIT, set from the graph by
-// tasks/dense_common.py's ksplit_macros). Without it every instance deals whole pairs: the same results up
+// tasks/dense_common.py's matvec_macros). Without it every instance deals whole pairs: the same results up
 // to the order of the sums, with some warps idle.
 #ifndef MEGART_DENSE_KSPLIT
 #define MEGART_DENSE_KSPLIT 1
@@ -407,6 +407,8 @@ namespace dense {
 template <bool FP8, class Epi, class XW>
 __device__ __forceinline__ void matvec_stream(int groups, int kc, const uint4* xs, float* red, Epi epi, XW xw) {
   const int warp = threadIdx.x >> 5;
+  // A K slice starts anywhere, so its stages can straddle two pieces of x: such a matvec waits for all of x.
+  if (!whole_pairs(groups)) xw.all(kc);
   StageCursor st(groups, kc, warp);
   unsigned j = stream_read_begin(warp);  // (the warp's stages read so far: its next stage's number)
   auto consume_segment = [&](float (&acc)[2]) {
@@ -431,7 +433,8 @@ struct NoXWait {
   __device__ __forceinline__ void all(int) const {}
 };
 // x staged in pieces of one stage's chunks (MEGART_DENSE_X_PIECES, tasks/gemv_m1.cuh): piece i is complete once the
-// kStageChunks / 32 warps that stage its chunks have arrived on bars[i]; a stage at chunk c waits for its piece.
+// warps that stage its chunks have arrived on bars[i]; the stage at weight chunk c waits for piece c / kStageChunks
+// (its x: kXPieceChunks below).
 struct XPieces {
   unsigned long long* bars;
   __device__ __forceinline__ void operator()(int c) const { mbar_wait_cta(bars + c / kStageChunks, 0); }
@@ -439,6 +442,9 @@ struct XPieces {
     for (int c = 0; c < kc; c += kStageChunks) (*this)(c);
   }
 };
+// x's chunks in one piece: one stage's worth (an e4m3 chunk holds 16 weights, so its stage reads twice the x).
+template <bool FP8>
+constexpr int kXPieceChunks = FP8 ? 2 * kStageChunks : kStageChunks;
 // A normed x in pieces (MEGART_DENSE_NORM_PIECES, dense_common.cuh): the pieces as above, and the factor the
 // matvec's sums take once every piece is staged: rsqrt(mean(x^2) + eps) from the stager warps' sums, in warp order.
 struct XPiecesNorm : XPieces {

@@ -11,7 +11,7 @@ import torch
 
 from ..geometry.dense import EXPERT_ROWS  # group_gemm_m1: each expert's tile of `a` / `y` rows (row 0 live)
 from ..registry import Cost, TaskType, ptr, register, scalar
-from .dense_common import (source, defines_for, ksplit_macros, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_PARTS, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS,
+from .dense_common import (source, defines_for, matvec_macros, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_PARTS, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS,
                            STAGE_SMEM, aligned, check_k, tagged_flags, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub,
                            wrappers, fold_pieces, fold_ref, FOLD_PARAMS)
 from .shapes import check_shape
@@ -21,7 +21,7 @@ from .tiling import even_tiles, require
 # (group_gemm_m1 too: its active experts are a build-time list, so its rows are known before its wait).
 RING = dict(prewait=True, stream=True, smem_for=smem_for, defines_for=defines_for, smem_bytes=STAGE_SMEM)  # (smem_bytes: ring off)
 # ... with the row pairs of a pair-plan instance (tasks/dense_bodies.cuh's pair_plan: rows 2g, 2g + 1 of n)
-ROW_PAIRS = dict(RING, macros_for=ksplit_macros(lambda p: (p["n"] + 1) // 2))
+ROW_PAIRS = dict(RING, macros_for=matvec_macros(lambda p: (p["n"] + 1) // 2))
 
 
 def _norm(p):
@@ -228,7 +228,7 @@ register(TaskType(
             ptr("x", "bf16", "in", tagged=True), ptr("norm_weight", "bf16", "weight", optional=True),
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), *FOLD_PARAMS),
     source=source("gate_up_silu"), headers=HEADERS, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
-    prefetch=True, **RING, macros_for=ksplit_macros(lambda p: p["n"]),
+    prefetch=True, **RING, macros_for=matvec_macros(lambda p: p["n"]),
     doc="h[F] = silu(Wg[F,K] x) * (Wu[F,K] x), gate and up kept in fp32 registers (never stored); optional "
         "RMSNorm prologue as gemv_m1. With parts (tp f32 slots of K) and x_out, a tensor-parallel all-reduce is "
         "folded in: x + parts[0] + ... + parts[tp-1] (rank order, one bf16 rounding, as tp_sum_f32) is what is "
@@ -244,7 +244,7 @@ register(TaskType(
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), *FOLD_PARAMS),
     source=source("gate_up_silu_fp8"), headers=HEADERS, reference=_gate_up_ref,
     split=lambda nw, tiles=1, **kw: _gate_up_split(nw, tiles, task="gate_up_silu_fp8", **kw), cost=_gate_up_cost,
-    prefetch=True, **RING, macros_for=ksplit_macros(lambda p: p["n"]),
+    prefetch=True, **RING, macros_for=matvec_macros(lambda p: p["n"]),
     doc="h[F] = silu(s_gate[F] * (Wg8[F,K] x)) * (s_up[F] * (Wu8[F,K] x)): gate_up_silu with pre-quantised e4m3 "
         "weights and per-row f32 scales (gemv_m1_fp8's format), gate and up kept in fp32. K must be a "
         "multiple of 16. Tiles over F."), builtin=True)

@@ -15,7 +15,7 @@ __device__ __forceinline__ void megart_task_gemv_m1(const P& p, char* smem) {
     const int r = 2 * g + lane;
     if (lane < 2 && r < p.n) gemv_store(p, r, (lane ? b : a));
   };
-#if MEGART_DENSE_X_PIECES && MEGART_STREAM_SLOTS > 0
+#if MEGART_DENSE_X_PIECES && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
   // A streamed matvec of a tagged x with no norm: its stages' dots begin as their pieces of x land (dense_common.cuh).
   if constexpr (StreamOn<P>::value) {
     if ((p.flags & (kFlagTaggedX | kFlagNorm)) == kFlagTaggedX && x_in_pieces(p.k, kStageChunks)) {

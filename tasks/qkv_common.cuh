@@ -96,15 +96,16 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
   }
   // (an out-of-range position still reads its weights: a streamed type consumes every stage it declared)
   bool staged = false;
-#if MEGART_DENSE_NORM_PIECES && MEGART_STREAM_SLOTS > 0
+#if MEGART_DENSE_NORM_PIECES && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
   // A streamed instance of a tagged, normed x (the residual stream): its dots begin as x's pieces land
   // (tasks/dense_common.cuh).
   if constexpr (megart::StreamOn<P>::value) {
     constexpr int kIn = at::kModeNorm | at::kModeTaggedX | at::kModeParts;
-    if ((p.mode & kIn) == (at::kModeNorm | at::kModeTaggedX) && dn::x_norm_in_pieces(p.d, dn::kStageChunks)) {
-      dn::stage_x_pieces<dn::kStageChunks, true>(p.x, p.d, xs, scratch, p.norm_weight);
+    constexpr int kPiece = dn::kXPieceChunks<kFp8>;
+    if ((p.mode & kIn) == (at::kModeNorm | at::kModeTaggedX) && dn::x_norm_in_pieces(p.d, kPiece)) {
+      dn::stage_x_pieces<kPiece, true>(p.x, p.d, xs, scratch, p.norm_weight);
       qkv_dots(p, xs, scratch, dots, dn::XPiecesNorm{{dn::x_piece_bars(scratch)}, dn::x_norm_sums(scratch), p.d, p.eps});
-      dn::x_pieces_done(p.d, dn::kStageChunks, scratch);
+      dn::x_pieces_done(p.d, kPiece, scratch);
       staged = true;
     }
   }

@@ -269,16 +269,19 @@ def test_the_k_split_path_is_compiled_in_only_where_an_instance_takes_it(threads
     assert geo.relerr(dense_hostsim.run(pk, steps=1)["y"], geo.ref_gemv(w, x)) < 1e-2
 
 
-def test_ksplit_macros_mirror_the_whole_pairs_rule():
+def test_matvec_macros_mirror_the_whole_pairs_rule_and_the_tagged_inputs():
     """tasks/dense_common.py's whole_pairs_from is tasks/dense_engines.cuh's kWholePairsFrom (half the warps
-    plus one) and the user may not set the macro (it must agree with the instances)."""
+    plus one); the x-in-pieces paths are compiled in where an instance reads a tagged x; the user may set
+    neither macro (each must agree with the instances)."""
     from megart.tasks import dense_common as dc
     assert [dc.whole_pairs_from(t) for t in (96, 128, 256, 512)] == [2, 3, 5, 9]
-    asks = dc.ksplit_macros(lambda p: p["n"])
-    assert asks([{"n": 4}, {"n": 9}], 256) == {"MEGART_DENSE_KSPLIT": 1}
-    assert asks([{"n": 4}, {"n": 9}], 128) == {"MEGART_DENSE_KSPLIT": 0}
-    with pytest.raises(megart.ConfigError, match="MEGART_DENSE_KSPLIT"):
-        megart.PersistentKernel(nw=1, device="cpu", defines={"MEGART_DENSE_KSPLIT": 0})
+    asks = dc.matvec_macros(lambda p: p["n"])
+    tagged = {"n": 9, "flags": dc.FLAG_TAGGED_X | dc.FLAG_NORM}
+    assert asks([{"n": 4}, {"n": 9}], 256) == {"MEGART_DENSE_KSPLIT": 1, "MEGART_DENSE_TAGGED_X": 0}
+    assert asks([{"n": 4}, tagged], 128) == {"MEGART_DENSE_KSPLIT": 0, "MEGART_DENSE_TAGGED_X": 1}
+    for macro in ("MEGART_DENSE_KSPLIT", "MEGART_DENSE_TAGGED_X"):
+        with pytest.raises(megart.ConfigError, match=macro):
+            megart.PersistentKernel(nw=1, device="cpu", defines={macro: 0})
 
 
 def test_weight_ring_sizing():

@@ -397,3 +397,32 @@ def test_normed_x_in_pieces_stays_within_E_and_its_norm_factor_matters(tmp_path)
     src = _broken(tmp_path, "    return rsqrtf(t / (float)k + eps);\n", "    return 1.f;\n")
     dropped = _tiny_d1k_step(NORM_PIECES, src)
     assert llama.relerr(dropped["logits"], whole["logits"]) > 10 * gate
+
+
+FP8_PIECES = {"MEGART_STREAM_SLOTS": 8, "MEGART_STREAM_STAGE": 64, "MEGART_DENSE_X_PIECES_FP8": 1}
+
+
+def _tiny_fp8_step(defines, overrides=None):
+    """One decode step of a one-layer tiny_fp8 at ffn 2,048 (down's x: two pieces of one e4m3 stage's x)."""
+    from megart.models import llama
+    from megart.models.llama_config import clone_kv
+    cfg = llama.config("tiny_fp8").with_(name="tiny_fp8_ffn2k", ffn=2048, layers=1)
+    m = llama.LlamaModel(cfg, device="cpu", nw=4, kv=clone_kv(llama.make_kv_cache(cfg, 1)), defines=defines,
+                         compile=False)
+    m.pk.source_overrides = overrides or {}
+    m.compile()
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in dense_hostsim.run(m.pk, steps=1).items()}
+
+
+def test_x_in_pieces_for_fp8_gives_the_register_engines_bits(tmp_path):
+    """MEGART_DENSE_X_PIECES_FP8=1 (opt-in): gemv_m1_fp8 stages its tagged x in pieces of one e4m3 stage's x (two
+    of its weight chunks' worth per chunk), so every tensor of a step equals the register engine's; without the
+    stagers' arrivals the dots wait forever (the pieces path ran)."""
+    regs, pieces = _tiny_fp8_step({"MEGART_STREAM_SLOTS": 0}), _tiny_fp8_step(FP8_PIECES)
+    for k, v in regs.items():
+        assert torch.equal(pieces[k], v), k
+    from test_dense_engines import _broken
+    src = _broken(tmp_path, "      if (lane == 0) mbar_arrive(bars + c0 / kPiece);\n", "")
+    with pytest.raises(dense_hostsim.HostSimError, match="stuck"):
+        _tiny_fp8_step(FP8_PIECES, src)

@@ -116,15 +116,17 @@ def test_streamed_kv_is_bit_identical_to_the_attention_ring(name, tagged_attn, c
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["1b", "block8b"])
-def test_x_in_pieces_is_bit_identical(name, cuda):
-    """x in pieces (the default: down's and o_proj's tagged x staged in pieces behind mbarriers) against x staged
-    whole (MEGART_DENSE_X_PIECES=0): the same chunks in the same order, so every logit, token and K/V row bit for
-    bit."""
+@pytest.mark.parametrize("name,pieces,whole", [
+    ("1b", {}, {"MEGART_DENSE_X_PIECES": 0}), ("block8b", {}, {"MEGART_DENSE_X_PIECES": 0}),
+    ("1b_fp8", {"MEGART_DENSE_X_PIECES_FP8": 1}, {})], ids=["1b", "block8b", "1b_fp8-opt-in"])
+def test_x_in_pieces_is_bit_identical(name, pieces, whole, cuda):
+    """x in pieces (the default: down's and o_proj's tagged x staged in pieces behind mbarriers; for their e4m3
+    forms, MEGART_DENSE_X_PIECES_FP8=1) against x staged whole: the same chunks in the same order, so every
+    logit, token and K/V row bit for bit."""
     from megart.models import llama
     cfg = llama.config(name).with_(layers=2)
     runs, cubins = [], []
-    for defines in ({}, {"MEGART_DENSE_X_PIECES": 0}):
+    for defines in (pieces, whole):
         m = llama.LlamaModel(cfg, device=cuda, defines=defines)
         assert m.pk.stream_layout().slots > 0, defines
         cubins.append(m.pk.compiled.cubin)
