@@ -15,10 +15,11 @@ import os
 import re
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from .codegen import FILE_NAME, Source
+from .cubin_info import function_resources
 from .errors import CompileError
 
 CACHE_VERSION = 2       # 2: the hash covers the report as well as the cubin
@@ -226,11 +227,17 @@ def compile_source(src: Source, arch: str, use_cache: bool = True) -> Compiled:
     from .codegen import KERNEL_NAME
     text = "".join(log.parts)
     report = parse_ptxas(text, KERNEL_NAME)
+    cubin = bytes(obj.code)
     if report.registers == 0:   # (every kernel uses registers: the log said nothing readable about this one)
+        res = function_resources(cubin, KERNEL_NAME)
+        if res is not None:     # the cubin records registers and the frame, not what part of it is spill
+            report = replace(report, registers=res.registers, stack_bytes=max(report.stack_bytes, res.frame_bytes))
+        said = (f"the cubin records {res.registers} registers and a {res.frame_bytes}-byte stack frame"
+                if res is not None else "nor does the cubin, so its report reads 0 registers")
         warnings.warn(f"megart: the ptxas log names no register count for {KERNEL_NAME} ({len(text)} characters "
-                      "of log), so its report reads 0 registers and 0 spill bytes: the spill checks cannot see "
-                      "this build, and co-residency rests on the driver's count", RuntimeWarning, stacklevel=2)
-    compiled = Compiled(bytes(obj.code), report, key, arch, False, text)
+                      f"of log); {said}, and 0 spill bytes: the spill checks cannot see this build",
+                      RuntimeWarning, stacklevel=2)
+    compiled = Compiled(cubin, report, key, arch, False, text)
     if d is not None:
         _store(d, key, compiled, src)
     return compiled

@@ -88,14 +88,23 @@ def test_parse_ptxas_report():
     assert r.spill_bytes == 20
 
 
-def test_a_log_without_the_register_count_is_named(monkeypatch):
-    """A compile whose ptxas log says nothing readable about the entry function warns: its report would read 0
-    registers and 0 spill bytes, which the spill checks would take for a clean build."""
+def test_a_log_without_the_register_count_is_named_and_the_cubin_read(monkeypatch):
+    """A compile whose ptxas log says nothing readable about the entry function (seen on the device: a log of
+    2,584 characters without its resource lines) warns: its spill bytes are unknown, which the spill checks
+    would take for a clean build. The register count and the stack frame come from the cubin's own records
+    instead (megart.cubin_info), the same figures the full log gives."""
     import megart.compile as mc
-    monkeypatch.setattr(mc, "parse_ptxas", lambda log, kernel: mc.PtxasReport())
+    from megart.cubin_info import function_resources
     src = codegen.generate([registry.get("noop")], codegen.KernelConfig())
-    with pytest.warns(RuntimeWarning, match="no register count for megart_kernel"):
-        compile_source(src, "sm_90a", use_cache=False)
+    full = compile_source(src, "sm_90a", use_cache=False)
+    res = function_resources(full.cubin, "megart_kernel")
+    assert res is not None and (res.registers, res.frame_bytes) == (full.report.registers, full.report.stack_bytes)
+    assert full.report.registers > 0 and function_resources(full.cubin, "no_such_kernel") is None
+    assert function_resources(b"not an elf", "megart_kernel") is None
+    monkeypatch.setattr(mc, "parse_ptxas", lambda log, kernel: mc.PtxasReport())
+    with pytest.warns(RuntimeWarning, match=f"no register count for megart_kernel.*records {res.registers} registers"):
+        blind = compile_source(src, "sm_90a", use_cache=False)
+    assert blind.report.registers == full.report.registers and blind.report.spill_bytes == 0
 
 
 def test_kernel_defines_types_first_then_the_callers_macros():
