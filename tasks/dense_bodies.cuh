@@ -138,19 +138,20 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
   gate_up_matvec<FP8, P>(p, plan, s_gate, s_up, smem, NoXWait{});
 }
 
-// The LM head's body (lm_head_argmax, lm_head_argmax_fp8): the logits of the instance's rows (FP8: times
-// the row's scale after the fp32 dot), stored when kFlagLogits, and the instance's (max, row) partial.
-template <bool FP8, class P, class Rows>
-__device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>& plan, const float* scale, char* smem) {
-  uint4* xs = xs_of(smem);
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), PartsSum{},
-          p.flags & kFlagTaggedX);
+// The LM head's matvec: the logits of the instance's rows (FP8: times the row's scale after the fp32 dot; a
+// normed x in pieces: times x's norm factor first, XScale), stored when kFlagLogits, and each thread's
+// running (max, row) in bv, bi.
+template <bool FP8, class P, class Rows, class XW>
+__device__ __forceinline__ void lm_head_matvec(const P& p, const MatvecPlan<Rows>& plan, const float* scale,
+                                               char* smem, XW xw, float& bv, int& bi) {
   const bool store = p.flags & kFlagLogits;
   const int lane = threadIdx.x & 31;
-  float bv = neg_inf();
-  int bi = kNoIndex;
+  XScale<XW> x_scale{xw};
   auto epi = [&](int g, float a, float b) {
     const int r = 2 * g;
+    const float xr = x_scale();
+    a *= xr;
+    b *= xr;
     if constexpr (FP8) {
       a *= __ldg(scale + r);
       if (r + 1 < p.n) b *= __ldg(scale + r + 1);
@@ -163,10 +164,39 @@ __device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>&
       if (better(b, p.row0 + r + 1, bv, bi)) { bv = b; bi = p.row0 + r + 1; }
     }
   };
-  matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) {
+  matvec_prewaited<FP8, P>(plan, xs_of(smem), scratch_of(smem), epi, smem, [&](int g) {
     if constexpr (FP8) prefetch_l1(scale + 2 * g);
-  });
-  block_argmax(bv, bi, scratch_of(smem));
+  }, xw);
+}
+
+// The LM head's body (lm_head_argmax, lm_head_argmax_fp8): x staged (normed, or in pieces), the matvec above,
+// and the instance's (max, row) partial.
+template <bool FP8, class P, class Rows>
+__device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>& plan, const float* scale, char* smem) {
+  uint4* xs = xs_of(smem);
+  float* scratch = scratch_of(smem);
+  float bv = neg_inf();
+  int bi = kNoIndex;
+  bool staged = false;
+#if MEGART_DENSE_NORM_PIECES && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
+  // A streamed instance of a tagged, normed x (the last layer's residual stream): its dots begin as x's
+  // pieces land (dense_common.cuh).
+  if constexpr (StreamOn<P>::value) {
+    if ((p.flags & (kFlagTaggedX | kFlagNorm)) == (kFlagTaggedX | kFlagNorm) &&
+        x_norm_in_pieces(p.k, kXPieceChunks<FP8>)) {
+      stage_x_pieces<kXPieceChunks<FP8>, true>(p.x, p.k, xs, scratch, p.norm_weight);
+      lm_head_matvec<FP8, P>(p, plan, scale, smem,
+                             XPiecesNorm{{x_piece_bars(scratch)}, x_norm_sums(scratch), p.k, p.eps}, bv, bi);
+      x_pieces_done(p.k, kXPieceChunks<FP8>, scratch);  // (before block_argmax reuses the scratch)
+      staged = true;
+    }
+  }
+#endif
+  if (!staged) {
+    stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch, PartsSum{}, p.flags & kFlagTaggedX);
+    lm_head_matvec<FP8, P>(p, plan, scale, smem, NoXWait{}, bv, bi);
+  }
+  block_argmax(bv, bi, scratch);
   if (threadIdx.x == 0) {
     p.part_val[0] = bv;
     p.part_idx[0] = bi;

@@ -214,7 +214,7 @@ __device__ __forceinline__ bool x_in_pieces(int k, int piece) {
   return (k & 7) == 0 && kc % piece == 0 && kc / piece <= kMaxXPieces;
 }
 
-// A normed x in pieces (MEGART_DENSE_NORM_PIECES, opt-in: gate_up and qkv, whose x is the residual stream): the
+// A normed x in pieces (MEGART_DENSE_NORM_PIECES, opt-in: qkv, gate_up and the LM head, whose x is the residual stream): the
 // pieces hold bf16(x * g) and each stager warp's sum of x^2 (its groups in order, each a warp_sum) goes to its
 // slot at the scratch's end before it arrives; the matvec's sums are multiplied by rsqrt(mean(x^2) + eps) after
 // the dots (XPiecesNorm::rstd), which needs every piece. So RMSNorm no longer waits for all of x before the
