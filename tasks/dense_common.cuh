@@ -180,10 +180,10 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
   span_mark(0);  // (profiled builds: x staged)
 }
 
-// x in pieces (MEGART_DENSE_X_PIECES, on by default; 0 stages x whole; tasks/gemv_m1.cuh): a tagged x with no norm is staged as stage_x
-// does, chunk c by thread c mod MEGART_THREADS, but no barrier ends it. Each warp stages 32 consecutive chunks at
-// a time, all in one piece of `piece` chunks (one weight stage's), and arrives on the piece's mbarrier once its
-// lanes have stored them; a stage's dots wait for their piece alone (XPieces), so a matvec begins on the pieces
+// x in pieces (MEGART_DENSE_X_PIECES, on by default; 0 stages x whole; tasks/gemv_m1.cuh): a tagged x with no norm
+// is staged as stage_x does, chunk c by thread c mod MEGART_THREADS, but no barrier ends it. Each warp stages 32
+// consecutive chunks at a time, all in one piece of `piece` chunks (one weight stage's), and arrives on the
+// piece's mbarrier once its lanes have stored them; a stage's dots wait for their piece alone (XPieces), so a matvec begins on the pieces
 // that have landed while the last writer of x is still finishing. The mbarriers lie in the scratch's upper half
 // (the K-split combine uses its lower half). Ends with them initialised and every arrival issued.
 #ifndef MEGART_DENSE_X_PIECES
@@ -214,11 +214,12 @@ __device__ __forceinline__ bool x_in_pieces(int k, int piece) {
   return (k & 7) == 0 && kc % piece == 0 && kc / piece <= kMaxXPieces;
 }
 
-// A normed x in pieces (MEGART_DENSE_NORM_PIECES, opt-in: qkv, gate_up and the LM head, whose x is the residual stream): the
-// pieces hold bf16(x * g) and each stager warp's sum of x^2 (its groups in order, each a warp_sum) goes to its
-// slot at the scratch's end before it arrives; the matvec's sums are multiplied by rsqrt(mean(x^2) + eps) after
-// the dots (XPiecesNorm::rstd), which needs every piece. So RMSNorm no longer waits for all of x before the
-// first dot. Not stage_x's bits: it rounds bf16(x * rstd * g) and sums the squares per thread.
+// A normed x in pieces (MEGART_DENSE_NORM_PIECES, opt-in: qkv, gate_up and the LM head, whose x is the residual
+// stream): the pieces hold bf16(x * g) and each stager warp's sum of x^2 (its groups in order, each a warp_sum)
+// goes to its slot at the scratch's end before it arrives; the matvec's sums are multiplied by
+// rsqrt(mean(x^2) + eps) after the dots (XPiecesNorm::rstd), which needs every piece. So RMSNorm no longer waits
+// for all of x before the first dot. Not stage_x's bits: it rounds bf16(x * rstd * g) and sums the squares per
+// thread.
 #ifndef MEGART_DENSE_NORM_PIECES
 #define MEGART_DENSE_NORM_PIECES 0
 #endif

@@ -384,8 +384,8 @@ def _tiny_d1k_step(defines, overrides=None):
 
 
 def test_normed_x_in_pieces_stays_within_E_and_its_norm_factor_matters(tmp_path):
-    """MEGART_DENSE_NORM_PIECES=1 (opt-in): qkv, gate_up and the LM head stage bf16(x * g) in pieces and scale their dots by
-    rsqrt(mean(x^2) + eps) afterwards, so they round differently from RMSNorm-then-dots. The logits of a whole
+    """MEGART_DENSE_NORM_PIECES=1 (opt-in): qkv, gate_up and the LM head stage bf16(x * g) in pieces and scale
+    their dots by rsqrt(mean(x^2) + eps) afterwards, so they round differently from RMSNorm-then-dots. The logits of a whole
     step differ from x staged whole by less than half the GPU gate (what the fp32 and bf16 references differ
     by at this shape: 0.0077), and by more than ten gates (a feature drop) with the factor left out."""
     from megart.models import llama
