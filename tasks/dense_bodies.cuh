@@ -82,6 +82,22 @@ __device__ __forceinline__ void gemv_store(const P& p, int r, float v) {
   else p.y[r] = y;
 }
 
+// A streamed gemv of a tagged x with no norm, x in pieces (gemv_m1_fp8 with MEGART_DENSE_X_PIECES_FP8;
+// dense_common.cuh): stages x and runs the matvec. False, having done nothing, when the instance's x does not
+// qualify (the caller then stages it whole). gemv_m1 spells the same steps out: moved here, its SASS schedule
+// changed (same instruction count), which needs a GPU A/B before it lands.
+template <bool FP8, class P, class Rows, class Epi, class Pre>
+__device__ __forceinline__ bool gemv_in_pieces(const P& p, const MatvecPlan<Rows>& plan, Epi epi, Pre pre,
+                                               char* smem) {
+  constexpr int kPiece = kXPieceChunks<FP8>;
+  if ((p.flags & (kFlagTaggedX | kFlagNorm)) != kFlagTaggedX || !x_in_pieces(p.k, kPiece)) return false;
+  float* scratch = scratch_of(smem);
+  stage_x_pieces<kPiece>(p.x, p.k, xs_of(smem), scratch);
+  matvec_prewaited<FP8, P>(plan, xs_of(smem), scratch, epi, smem, pre, XPieces{x_piece_bars(scratch)});
+  x_pieces_done(p.k, kPiece, scratch);
+  return true;
+}
+
 // The gate/up matvec and epilogue: h[g] = bf16(silu(gate) * up) in fp32 (FP8: each dot times its row's scale
 // first; a normed x in pieces: times x's norm factor before that, XScale).
 template <bool FP8, class P, class Rows, class XW>

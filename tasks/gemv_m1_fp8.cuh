@@ -19,14 +19,7 @@ __device__ __forceinline__ void megart_task_gemv_m1_fp8(const P& p, char* smem) 
 #if MEGART_DENSE_X_PIECES_FP8 && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
   // x in pieces as gemv_m1 stages it (opt-in here, not yet timed): a piece is one e4m3 stage's x.
   if constexpr (StreamOn<P>::value) {
-    constexpr int kPiece = kXPieceChunks<true>;
-    if ((p.flags & (kFlagTaggedX | kFlagNorm)) == kFlagTaggedX && x_in_pieces(p.k, kPiece)) {
-      stage_x_pieces<kPiece>(p.x, p.k, xs, scratch_of(smem));
-      matvec_prewaited<true, P>(plan_gemv_m1_fp8(p), xs, scratch_of(smem), epi, smem, pre,
-                                XPieces{x_piece_bars(scratch_of(smem))});
-      x_pieces_done(p.k, kPiece, scratch_of(smem));
-      return;
-    }
+    if (gemv_in_pieces<true, P>(p, plan_gemv_m1_fp8(p), epi, pre, smem)) return;
   }
 #endif
   stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), PartsSum{},

@@ -332,17 +332,22 @@ def test_auto_declines_a_stream_that_spills():
 PIECES = {"MEGART_STREAM_SLOTS": 8, "MEGART_STREAM_STAGE": 64, "MEGART_DENSE_X_PIECES": 1}
 
 
-def _tiny_ffn_steps(defines, overrides=None, steps=2):
-    """Two tiny decode steps (ffn 1,024: down's x is two pieces of 64 chunks) through the host-run bodies."""
+def _tiny_steps(cfg, defines, overrides=None, steps=1):
+    """Decode steps of a tiny model through the host-run bodies (sources in `overrides` replaced): its tensors."""
     from megart.models import llama
     from megart.models.llama_config import clone_kv
-    cfg = llama.tiny().with_(name="tiny_ffn1k", ffn=1024)
     m = llama.LlamaModel(cfg, device="cpu", nw=4, kv=clone_kv(llama.make_kv_cache(cfg, 1)), defines=defines,
                          compile=False)
     m.pk.source_overrides = overrides or {}
     m.compile()
     torch.manual_seed(0)
     return {k: v.clone() for k, v in dense_hostsim.run(m.pk, steps=steps).items()}
+
+
+def _tiny_ffn_steps(defines, overrides=None, steps=2):
+    """Two tiny decode steps (ffn 1,024: down's x is two pieces of 64 chunks)."""
+    from megart.models import llama
+    return _tiny_steps(llama.tiny().with_(name="tiny_ffn1k", ffn=1024), defines, overrides, steps)
 
 
 @pytest.mark.parametrize("arrive_all", [0, 1])
@@ -371,23 +376,17 @@ NORM_PIECES = {"MEGART_STREAM_SLOTS": 8, "MEGART_STREAM_STAGE": 64, "MEGART_DENS
 
 
 def _tiny_d1k_step(defines, overrides=None):
-    """One tiny decode step at d 1,024 (qkv's and gate_up's normed x: two pieces of 64 chunks), host-run bodies."""
+    """One tiny decode step at d 1,024 (qkv's, gate_up's and the LM head's normed x: two pieces of 64 chunks)."""
     from megart.models import llama
-    from megart.models.llama_config import clone_kv
-    cfg = llama.tiny().with_(name="tiny_d1k", d=1024, ffn=1024)
-    m = llama.LlamaModel(cfg, device="cpu", nw=4, kv=clone_kv(llama.make_kv_cache(cfg, 1)), defines=defines,
-                         compile=False)
-    m.pk.source_overrides = overrides or {}
-    m.compile()
-    torch.manual_seed(0)
-    return {k: v.clone() for k, v in dense_hostsim.run(m.pk, steps=1).items()}
+    return _tiny_steps(llama.tiny().with_(name="tiny_d1k", d=1024, ffn=1024), defines, overrides)
 
 
 def test_normed_x_in_pieces_stays_within_E_and_its_norm_factor_matters(tmp_path):
     """MEGART_DENSE_NORM_PIECES=1 (opt-in): qkv, gate_up and the LM head stage bf16(x * g) in pieces and scale
-    their dots by rsqrt(mean(x^2) + eps) afterwards, so they round differently from RMSNorm-then-dots. The logits of a whole
-    step differ from x staged whole by less than half the GPU gate (what the fp32 and bf16 references differ
-    by at this shape: 0.0077), and by more than ten gates (a feature drop) with the factor left out."""
+    their dots by rsqrt(mean(x^2) + eps) afterwards, so they round differently from RMSNorm-then-dots. The
+    logits of a whole step differ from x staged whole by less than half the GPU gate (what the fp32 and bf16
+    references differ by at this shape: 0.0077), and by more than ten gates (a feature drop) with the factor
+    left out."""
     from megart.models import llama
     gate = 3e-2                                         # the tiny models' GPU gate (tests/test_llama.py)
     whole = _tiny_d1k_step({k: v for k, v in NORM_PIECES.items() if k != "MEGART_DENSE_NORM_PIECES"})
@@ -405,14 +404,7 @@ FP8_PIECES = {"MEGART_STREAM_SLOTS": 8, "MEGART_STREAM_STAGE": 64, "MEGART_DENSE
 def _tiny_fp8_step(defines, overrides=None):
     """One decode step of a one-layer tiny_fp8 at ffn 2,048 (down's x: two pieces of one e4m3 stage's x)."""
     from megart.models import llama
-    from megart.models.llama_config import clone_kv
-    cfg = llama.config("tiny_fp8").with_(name="tiny_fp8_ffn2k", ffn=2048, layers=1)
-    m = llama.LlamaModel(cfg, device="cpu", nw=4, kv=clone_kv(llama.make_kv_cache(cfg, 1)), defines=defines,
-                         compile=False)
-    m.pk.source_overrides = overrides or {}
-    m.compile()
-    torch.manual_seed(0)
-    return {k: v.clone() for k, v in dense_hostsim.run(m.pk, steps=1).items()}
+    return _tiny_steps(llama.config("tiny_fp8").with_(name="tiny_fp8_ffn2k", ffn=2048, layers=1), defines, overrides)
 
 
 def test_x_in_pieces_for_fp8_gives_the_register_engines_bits(tmp_path):

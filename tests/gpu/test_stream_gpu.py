@@ -7,6 +7,7 @@ import torch
 
 import megart
 from megart.geometry import dense as geo
+from megart.models import llama
 from test_dense_engines import _broken
 
 pytestmark = pytest.mark.gpu
@@ -90,26 +91,31 @@ def test_a_stage_that_never_lands_names_the_ring_slot(tmp_path, cuda):
     assert geo.relerr(y.cpu(), geo.ref_gemv(w, x)) < 1e-2
 
 
+def _few_steps(m, cfg) -> list:
+    """A few steps of a freshly reset model: its outputs (block: each step's; else 4 greedy tokens and the last
+    logits) and the K/V rows they appended, cloned."""
+    if cfg.block:
+        xs = llama.make_inputs(cfg, 3, device=m.pk.device)
+        m.reset(cfg.prefill, clear_kv=True)
+        out = [m.step(x).clone() for x in xs]
+    else:
+        m.reset(cfg.prefill, token=17, clear_kv=True)
+        out = [m.generate(4).clone(), m.logits.clone()]
+    return out + [k[:, cfg.prefill:cfg.prefill + 4].clone() for k, _ in m.kv]
+
+
 @pytest.mark.parametrize("name,tagged_attn", [("1b", False), ("1b", True), ("block8b", False)],
                          ids=["hd64", "hd64-tagged", "hd128-group4"])
 def test_streamed_kv_is_bit_identical_to_the_attention_ring(name, tagged_attn, cuda):
     """Attention's K/V rows through the weight stream (MEGART_STREAM_KV=1) against attention's own cp.async
     ring (the default): the same positions per lane in the same batches, so every output bit for bit, over
     steps whose chunks end inside a stage (2k context: 129 positions per chunk)."""
-    from megart.models import llama
     cfg = llama.config(name).with_(layers=2)
     runs = []
     for defines in ({"MEGART_STREAM_KV": 1}, {}):
         m = llama.LlamaModel(cfg, device=cuda, defines=defines, tagged_attn=tagged_attn)
         assert ("attention_decode" in m.pk.stream_layout().types) == bool(defines), defines
-        if cfg.block:
-            xs = llama.make_inputs(cfg, 3, device=cuda)
-            m.reset(cfg.prefill, clear_kv=True)
-            runs.append([m.step(x).clone() for x in xs])
-        else:
-            m.reset(cfg.prefill, token=17, clear_kv=True)
-            runs.append([m.generate(4).clone(), m.logits.clone()])
-        runs[-1] += [k[:, cfg.prefill:cfg.prefill + 4].clone() for k, _ in m.kv]
+        runs.append(_few_steps(m, cfg))
         del m
     assert len(runs[0]) == len(runs[1])
     for a, b in zip(*runs):
@@ -123,21 +129,13 @@ def test_x_in_pieces_is_bit_identical(name, pieces, whole, cuda):
     """x in pieces (the default: down's and o_proj's tagged x staged in pieces behind mbarriers; for their e4m3
     forms, MEGART_DENSE_X_PIECES_FP8=1) against x staged whole: the same chunks in the same order, so every
     logit, token and K/V row bit for bit."""
-    from megart.models import llama
     cfg = llama.config(name).with_(layers=2)
     runs, cubins = [], []
     for defines in (pieces, whole):
         m = llama.LlamaModel(cfg, device=cuda, defines=defines)
         assert m.pk.stream_layout().slots > 0, defines
         cubins.append(m.pk.compiled.cubin)
-        if cfg.block:
-            xs = llama.make_inputs(cfg, 3, device=cuda)
-            m.reset(cfg.prefill, clear_kv=True)
-            runs.append([m.step(x).clone() for x in xs])
-        else:
-            m.reset(cfg.prefill, token=17, clear_kv=True)
-            runs.append([m.generate(4).clone(), m.logits.clone()])
-        runs[-1] += [k[:, cfg.prefill:cfg.prefill + 4].clone() for k, _ in m.kv]
+        runs.append(_few_steps(m, cfg))
         del m
     assert cubins[0] != cubins[1]              # the pieces path is compiled in, so the test compares two engines
     for a, b in zip(*runs):
@@ -147,9 +145,8 @@ def test_x_in_pieces_is_bit_identical(name, pieces, whole, cuda):
 @pytest.mark.parametrize("name", ["1b", "block8b"])
 def test_normed_x_in_pieces_within_the_gate(name, cuda):
     """MEGART_DENSE_NORM_PIECES=1 (opt-in: qkv, gate_up and the LM head stage bf16(x * g) in pieces and scale
-    their dots by x's norm factor after them): each of 4 steps within the model's gate of the reference, logits' argmax fed
-    back, and the build differs from the default's."""
-    from megart.models import llama
+    their dots by x's norm factor after them): each of 4 steps within the model's gate of the reference, the
+    logits' argmax fed back, and the build differs from the default's."""
     from megart.models.reference import Reference
     from test_llama_gpu import TOL
     cfg = llama.config(name).with_(layers=2)
