@@ -141,8 +141,7 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
     if ((p.flags & (kFlagTaggedX | kFlagNorm | kFlagParts)) == (kFlagTaggedX | kFlagNorm) &&
         x_norm_in_pieces(p.k, kXPieceChunks<FP8>)) {
       stage_x_pieces<kXPieceChunks<FP8>, true>(p.x, p.k, xs, scratch, p.norm_weight);
-      gate_up_matvec<FP8, P>(p, plan, s_gate, s_up, smem,
-                             XPiecesNorm{{x_piece_bars(scratch)}, x_norm_sums(scratch), p.k, p.eps});
+      gate_up_matvec<FP8, P>(p, plan, s_gate, s_up, smem, x_pieces_norm<FP8>(scratch, p.k, p.eps));
       x_pieces_done(p.k, kXPieceChunks<FP8>, scratch);
       return;
     }
@@ -201,8 +200,7 @@ __device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>&
     if ((p.flags & (kFlagTaggedX | kFlagNorm)) == (kFlagTaggedX | kFlagNorm) &&
         x_norm_in_pieces(p.k, kXPieceChunks<FP8>)) {
       stage_x_pieces<kXPieceChunks<FP8>, true>(p.x, p.k, xs, scratch, p.norm_weight);
-      lm_head_matvec<FP8, P>(p, plan, scale, smem,
-                             XPiecesNorm{{x_piece_bars(scratch)}, x_norm_sums(scratch), p.k, p.eps}, bv, bi);
+      lm_head_matvec<FP8, P>(p, plan, scale, smem, x_pieces_norm<FP8>(scratch, p.k, p.eps), bv, bi);
       x_pieces_done(p.k, kXPieceChunks<FP8>, scratch);  // (before block_argmax reuses the scratch)
       staged = true;
     }

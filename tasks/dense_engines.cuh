@@ -451,14 +451,20 @@ struct XPiecesNorm : XPieces {
   const float* sums;
   int k;
   float eps;
+  int pieces;  // (x's pieces: kc / kStageChunks weight chunks' worth, which in e4m3 is half of x's chunks / 32)
   __device__ __forceinline__ float rstd() const {
-    const int kc = k >> 3, stagers = min(kWarps, kc / 32);  // (the warps that staged a group, so wrote a sum)
-    all(kc);
+    const int stagers = min(kWarps, (k >> 3) / 32);  // (the warps that staged a group, so wrote a sum)
+    for (int i = 0; i < pieces; ++i) mbar_wait_cta(bars + i, 0);
     float t = 0.f;
     for (int w = 0; w < stagers; ++w) t += sums[w];
     return rsqrtf(t / (float)k + eps);
   }
 };
+// The pieces of a normed x of k elements staged in the scratch (stage_x_pieces<kXPieceChunks<FP8>, true>).
+template <bool FP8>
+__device__ __forceinline__ XPiecesNorm x_pieces_norm(float* scratch, int k, float eps) {
+  return XPiecesNorm{{x_piece_bars(scratch)}, x_norm_sums(scratch), k, eps, (k >> 3) / kXPieceChunks<FP8>};
+}
 // The factor a matvec's sums take: 1 when x was normed as it was staged, else XPiecesNorm's, computed once per
 // thread at its first epilogue (by then the thread's dots have waited for the pieces they read).
 template <class XW>

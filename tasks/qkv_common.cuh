@@ -104,8 +104,7 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
     constexpr int kPiece = dn::kXPieceChunks<kFp8>;
     if ((p.mode & kIn) == (at::kModeNorm | at::kModeTaggedX) && dn::x_norm_in_pieces(p.d, kPiece)) {
       dn::stage_x_pieces<kPiece, true>(p.x, p.d, xs, scratch, p.norm_weight);
-      qkv_dots(p, xs, scratch, dots,
-               dn::XPiecesNorm{{dn::x_piece_bars(scratch)}, dn::x_norm_sums(scratch), p.d, p.eps});
+      qkv_dots(p, xs, scratch, dots, dn::x_pieces_norm<kFp8>(scratch, p.d, p.eps));
       dn::x_pieces_done(p.d, kPiece, scratch);
       staged = true;
     }

@@ -418,3 +418,15 @@ def test_x_in_pieces_for_fp8_gives_the_register_engines_bits(tmp_path):
     src = _broken(tmp_path, "      if (lane == 0) mbar_arrive(bars + c0 / kPiece);\n", "")
     with pytest.raises(dense_hostsim.HostSimError, match="stuck"):
         _tiny_fp8_step(FP8_PIECES, src)
+
+
+def test_normed_x_in_pieces_for_fp8_stays_within_E():
+    """The same for the e4m3 forms (gate_up_silu_fp8, qkv_rope_append_fp8, lm_head_argmax_fp8 in tiny_fp8_all at
+    d 2,048: two pieces of one e4m3 stage's x each): the logits move, by less than half the fp8 gate. Waiting for
+    x's pieces by the e4m3 stage (half of x's chunks per piece) is what this checks: a wait counted in x's chunks
+    reaches mbarriers that were never initialised, which the host simulation reports."""
+    from megart.models import llama
+    cfg = llama.config("tiny_fp8_all").with_(name="tiny_fp8_all_d2k", d=2048, ffn=1024, layers=1)
+    ring = {"MEGART_STREAM_SLOTS": 3, "MEGART_STREAM_STAGE": 64}
+    whole, pieces = _tiny_steps(cfg, ring), _tiny_steps(cfg, {**ring, "MEGART_DENSE_NORM_PIECES": 1})
+    assert 0 < llama.relerr(pieces["logits"], whole["logits"]) < 4e-2 / 2     # (tests/test_llama.py's fp8 gate)
