@@ -142,7 +142,7 @@ def test_x_in_pieces_is_bit_identical(name, pieces, whole, cuda):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["1b", "block8b"])
+@pytest.mark.parametrize("name", ["1b", "1b_fp8_all", "block8b"])
 def test_normed_x_in_pieces_within_the_gate(name, cuda):
     """MEGART_DENSE_NORM_PIECES=1 (opt-in: qkv, gate_up and the LM head stage bf16(x * g) in pieces and scale
     their dots by x's norm factor after them): each of 4 steps within the model's gate of the reference, the
