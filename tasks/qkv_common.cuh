@@ -115,7 +115,24 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
     if (p.mode & at::kModeParts) sum = dn::PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
     dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch, sum,
                 (p.mode & at::kModeTaggedX) != 0);
-    qkv_dots(p, xs, scratch, dots, dn::NoXWait{});
+    // qkv_dots(p, xs, scratch, dots, dn::NoXWait{}) spelled out: through the helper the e4m3 kernel's SASS
+    // changed (1b_fp8_all: 112 instructions fewer), which needs a GPU A/B before it lands
+    auto epi = [&](int g, float lo, float hi) {
+      if constexpr (kFp8) {
+        lo *= __ldg(p.scale + g);
+        hi *= __ldg(p.scale + half + g);
+      }
+      if (lane == 0) {
+        dots[g] = lo;
+        dots[np + g] = hi;
+      }
+    };
+    dn::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, epi, [&](int g) {
+      if constexpr (kFp8) {
+        megart::prefetch_l1(p.scale + g);
+        megart::prefetch_l1(p.scale + half + g);
+      }
+    });
   }
   __syncthreads();
   if (pos < 0 || pos >= p.max_seq) return;  // out-of-range position: the instance writes nothing
