@@ -183,11 +183,11 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
 // x in pieces (MEGART_DENSE_X_PIECES, on by default; 0 stages x whole; tasks/gemv_m1.cuh): a tagged x with no norm
 // is staged as stage_x does, chunk c by thread c mod MEGART_THREADS, but no barrier ends it. Each warp stages 32
 // consecutive chunks at a time, all in one piece of `piece` chunks (one weight stage's), and arrives on the
-// piece's mbarrier once its lanes have stored them; a stage's dots wait for their piece alone (XPieces), so a matvec begins on the pieces
-// that have landed while the last writer of x is still finishing. The mbarriers lie in the scratch's upper half
+// piece's mbarrier once its lanes have stored them; a stage's dots wait for their piece alone (XPieces), so a
+// matvec begins on the pieces that have landed while the last writer of x is still finishing. The mbarriers lie in the scratch's upper half
 // (the K-split combine uses its lower half). Ends with them initialised and every arrival issued.
 #ifndef MEGART_DENSE_X_PIECES
-#define MEGART_DENSE_X_PIECES 1  // (measured on the H200: 1B step -16 us at 2k, -23 us at 128 tokens)
+#define MEGART_DENSE_X_PIECES 1  // (H200, one process: the 1B step -17 us at 2k, -22 at 128 tokens)
 #endif
 #ifndef MEGART_DENSE_X_PIECES_FP8
 #define MEGART_DENSE_X_PIECES_FP8 0  // the same for gemv_m1_fp8 (opt-in: not yet timed)

@@ -451,7 +451,7 @@ struct XPiecesNorm : XPieces {
   const float* sums;
   int k;
   float eps;
-  int pieces;  // (x's pieces: kc / kStageChunks weight chunks' worth, which in e4m3 is half of x's chunks / 32)
+  int pieces;  // (x's chunks / kXPieceChunks: each piece is one weight stage's x, bf16 or e4m3)
   __device__ __forceinline__ float rstd() const {
     const int stagers = min(kWarps, (k >> 3) / 32);  // (the warps that staged a group, so wrote a sum)
     for (int i = 0; i < pieces; ++i) mbar_wait_cta(bars + i, 0);
