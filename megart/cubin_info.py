@@ -18,8 +18,9 @@ class FunctionResources:
     frame_bytes: int
 
 
-def _sections(data: bytes) -> dict:
-    """{section name: (offset, size, link)} of a little-endian ELF64 file."""
+def _sections(data: bytes) -> list[tuple[str, int, int, int]]:
+    """(name, offset, size, link) of each section of a little-endian ELF64 file, in section-index order (a
+    section's `link` is such an index)."""
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ValueError("not a little-endian ELF64 file")
     shoff = struct.unpack_from("<Q", data, 0x28)[0]
@@ -30,7 +31,7 @@ def _sections(data: bytes) -> dict:
     def name(off: int) -> str:
         end = data.index(b"\0", names_at + off)
         return data[names_at + off:end].decode()
-    return {name(h[0]): (h[4], h[5], h[6]) for h in heads}
+    return [(name(h[0]), h[4], h[5], h[6]) for h in heads]
 
 
 def function_resources(cubin: bytes, kernel: str) -> FunctionResources | None:
@@ -38,8 +39,8 @@ def function_resources(cubin: bytes, kernel: str) -> FunctionResources | None:
     not name them (or cannot be read)."""
     try:
         secs = _sections(cubin)
-        sym_at, sym_size, strtab_index = secs[".symtab"]
-        str_at = list(secs.values())[strtab_index][0]
+        _, sym_at, sym_size, strtab_index = next(s for s in secs if s[0] == ".symtab")
+        str_at = secs[strtab_index][1]
 
         def symbol(i: int) -> str:
             if not 0 <= i < sym_size // 24:
@@ -47,7 +48,7 @@ def function_resources(cubin: bytes, kernel: str) -> FunctionResources | None:
             off = str_at + struct.unpack_from("<I", cubin, sym_at + 24 * i)[0]
             return cubin[off:cubin.index(b"\0", off)].decode()
         found = {}
-        for sec, (at, size, _) in secs.items():
+        for sec, at, size, _ in secs:
             if not sec.startswith(".nv.info"):
                 continue
             p, end = at, at + size
@@ -64,5 +65,5 @@ def function_resources(cubin: bytes, kernel: str) -> FunctionResources | None:
         if EIATTR_REGCOUNT not in found:
             return None
         return FunctionResources(found[EIATTR_REGCOUNT], found.get(EIATTR_FRAME_SIZE, 0))
-    except (ValueError, KeyError, IndexError, struct.error, UnicodeDecodeError):
+    except (ValueError, StopIteration, IndexError, struct.error, UnicodeDecodeError):
         return None
