@@ -98,6 +98,22 @@ __device__ __forceinline__ bool gemv_in_pieces(const P& p, const MatvecPlan<Rows
   return true;
 }
 
+// A streamed instance of a tagged, normed x (qkv, gate_up and the LM head with MEGART_DENSE_NORM_PIECES;
+// dense_common.cuh): stages bf16(x * g) in pieces and runs run(xw), the matvec, whose sums take x's norm factor
+// from xw (XScale), then returns the pieces' mbarriers to plain memory. False, having done nothing, when x does
+// not fit in pieces (the caller then stages it whole).
+template <bool FP8, class Run>
+__device__ __forceinline__ bool normed_in_pieces(const __nv_bfloat16* x, const __nv_bfloat16* g, int k, float eps,
+                                                 char* smem, Run run) {
+  constexpr int kPiece = kXPieceChunks<FP8>;
+  if (!x_norm_in_pieces(k, kPiece)) return false;
+  float* scratch = scratch_of(smem);
+  stage_x_pieces<kPiece, true>(x, k, xs_of(smem), scratch, g);
+  run(XPiecesNorm{{x_piece_bars(scratch)}, x_norm_sums(scratch), k, eps, (k >> 3) / kPiece});
+  x_pieces_done(k, kPiece, scratch);
+  return true;
+}
+
 // The gate/up matvec and epilogue: h[g] = bf16(silu(gate) * up) in fp32 (FP8: each dot times its row's scale
 // first; a normed x in pieces: times x's norm factor before that, XScale).
 template <bool FP8, class P, class Rows, class XW>
@@ -139,12 +155,10 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
   // (dense_common.cuh).
   if constexpr (StreamOn<P>::value) {
     if ((p.flags & (kFlagTaggedX | kFlagNorm | kFlagParts)) == (kFlagTaggedX | kFlagNorm) &&
-        x_norm_in_pieces(p.k, kXPieceChunks<FP8>)) {
-      stage_x_pieces<kXPieceChunks<FP8>, true>(p.x, p.k, xs, scratch, p.norm_weight);
-      gate_up_matvec<FP8, P>(p, plan, s_gate, s_up, smem, x_pieces_norm<FP8>(scratch, p.k, p.eps));
-      x_pieces_done(p.k, kXPieceChunks<FP8>, scratch);
+        normed_in_pieces<FP8>(p.x, p.norm_weight, p.k, p.eps, smem, [&](const XPiecesNorm& xw) {
+          gate_up_matvec<FP8, P>(p, plan, s_gate, s_up, smem, xw);
+        }))
       return;
-    }
   }
 #endif
   PartsSum sum;
@@ -196,14 +210,12 @@ __device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>&
 #if MEGART_DENSE_NORM_PIECES && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
   // A streamed instance of a tagged, normed x (the last layer's residual stream): its dots begin as x's
   // pieces land (dense_common.cuh).
+  // (the pieces' mbarriers are plain memory again before block_argmax reuses the scratch)
   if constexpr (StreamOn<P>::value) {
-    if ((p.flags & (kFlagTaggedX | kFlagNorm)) == (kFlagTaggedX | kFlagNorm) &&
-        x_norm_in_pieces(p.k, kXPieceChunks<FP8>)) {
-      stage_x_pieces<kXPieceChunks<FP8>, true>(p.x, p.k, xs, scratch, p.norm_weight);
-      lm_head_matvec<FP8, P>(p, plan, scale, smem, x_pieces_norm<FP8>(scratch, p.k, p.eps), bv, bi);
-      x_pieces_done(p.k, kXPieceChunks<FP8>, scratch);  // (before block_argmax reuses the scratch)
-      staged = true;
-    }
+    staged = (p.flags & (kFlagTaggedX | kFlagNorm)) == (kFlagTaggedX | kFlagNorm) &&
+             normed_in_pieces<FP8>(p.x, p.norm_weight, p.k, p.eps, smem, [&](const XPiecesNorm& xw) {
+               lm_head_matvec<FP8, P>(p, plan, scale, smem, xw, bv, bi);
+             });
   }
 #endif
   if (!staged) {

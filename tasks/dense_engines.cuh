@@ -460,11 +460,6 @@ struct XPiecesNorm : XPieces {
     return rsqrtf(t / (float)k + eps);
   }
 };
-// The pieces of a normed x of k elements staged in the scratch (stage_x_pieces<kXPieceChunks<FP8>, true>).
-template <bool FP8>
-__device__ __forceinline__ XPiecesNorm x_pieces_norm(float* scratch, int k, float eps) {
-  return XPiecesNorm{{x_piece_bars(scratch)}, x_norm_sums(scratch), k, eps, (k >> 3) / kXPieceChunks<FP8>};
-}
 // The factor a matvec's sums take: 1 when x was normed as it was staged, else XPiecesNorm's, computed once per
 // thread at its first epilogue (by then the thread's dots have waited for the pieces they read).
 template <class XW>

@@ -101,13 +101,10 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
   // (tasks/dense_common.cuh).
   if constexpr (megart::StreamOn<P>::value) {
     constexpr int kIn = at::kModeNorm | at::kModeTaggedX | at::kModeParts;
-    constexpr int kPiece = dn::kXPieceChunks<kFp8>;
-    if ((p.mode & kIn) == (at::kModeNorm | at::kModeTaggedX) && dn::x_norm_in_pieces(p.d, kPiece)) {
-      dn::stage_x_pieces<kPiece, true>(p.x, p.d, xs, scratch, p.norm_weight);
-      qkv_dots(p, xs, scratch, dots, dn::x_pieces_norm<kFp8>(scratch, p.d, p.eps));
-      dn::x_pieces_done(p.d, kPiece, scratch);
-      staged = true;
-    }
+    staged = (p.mode & kIn) == (at::kModeNorm | at::kModeTaggedX) &&
+             dn::normed_in_pieces<kFp8>(p.x, p.norm_weight, p.d, p.eps, smem, [&](const dn::XPiecesNorm& xw) {
+               qkv_dots(p, xs, scratch, dots, xw);
+             });
   }
 #endif
   if (!staged) {
