@@ -1,5 +1,6 @@
 """Shared test setup: the `gpu` marker (skipped without a CUDA device; with MEGART_REQUIRE_GPU=1 a
-skip is a failure, so a GPU run cannot pass by skipping) and a private compile cache per session."""
+skip is a failure, so a GPU run cannot pass by skipping) and a private compile cache per session, shared by
+the session's pytest-xdist workers."""
 import os
 
 import pytest
@@ -10,6 +11,11 @@ REQUIRE_GPU = os.environ.get("MEGART_REQUIRE_GPU", "") == "1"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "xdist_group(name): run on one pytest-xdist worker with its group")
+    # Under pytest-xdist (-n), tests marked xdist_group run one after another on one worker, so a group whose
+    # tests build the same kernels compiles each once (its parameters spread over workers compiled them twice).
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,7 +38,12 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session", autouse=True)
 def _compile_cache(tmp_path_factory):
     if "MEGART_CACHE_DIR" not in os.environ:
-        os.environ["MEGART_CACHE_DIR"] = str(tmp_path_factory.mktemp("megart-cache"))
+        base = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):   # (each worker's base lies in the session's: share that one)
+            base = base.parent
+        cache = base / "megart-cache"
+        cache.mkdir(exist_ok=True)                   # (entries are written to a temp file and renamed in)
+        os.environ["MEGART_CACHE_DIR"] = str(cache)
     yield
 
 

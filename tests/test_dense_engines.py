@@ -177,6 +177,7 @@ ENGINES = [(256, REGISTERS), (256, RING(3)), (256, STREAM(1)), (256, STREAM("aut
     pytest.param(2, 16, 1, 1, id="empty-K-slices"),
     pytest.param(300, 2064, 1, 1, id="many-pairs-per-warp"),
     pytest.param(40, 528, 5, 2, id="stream-across-instances")])
+@pytest.mark.xdist_group("dense_engines")     # (one worker: the shapes share most of their kernels' compiles)
 def test_weight_engines_are_bit_identical_to_the_register_path(n, k, tiles, nw):
     """The ring and the stream consume the same chunks in the same order as dot2's registers, so each
     dense type gives bit-identical outputs with every engine and depth. Each worker runs several calls'
