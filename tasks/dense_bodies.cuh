@@ -82,7 +82,7 @@ __device__ __forceinline__ void gemv_store(const P& p, int r, float v) {
   else p.y[r] = y;
 }
 
-// A streamed gemv of a tagged x with no norm, x in pieces (gemv_m1_fp8 with MEGART_DENSE_X_PIECES_FP8;
+// A streamed gemv of a tagged x with no norm, x in pieces (gemv_m1_fp8, MEGART_DENSE_X_PIECES_FP8;
 // dense_common.cuh): stages x and runs the matvec. False, having done nothing, when the instance's x does not
 // qualify (the caller then stages it whole). gemv_m1 spells the same steps out: moved here, its SASS schedule
 // changed (same instruction count), which needs a GPU A/B before it lands.
@@ -98,34 +98,18 @@ __device__ __forceinline__ bool gemv_in_pieces(const P& p, const MatvecPlan<Rows
   return true;
 }
 
-// A streamed instance of a tagged, normed x (qkv, gate_up and the LM head with MEGART_DENSE_NORM_PIECES;
-// dense_common.cuh): stages bf16(x * g) in pieces and runs run(xw), the matvec, whose sums take x's norm factor
-// from xw (XScale), then returns the pieces' mbarriers to plain memory. False, having done nothing, when x does
-// not fit in pieces (the caller then stages it whole).
-template <bool FP8, class Run>
-__device__ __forceinline__ bool normed_in_pieces(const __nv_bfloat16* x, const __nv_bfloat16* g, int k, float eps,
-                                                 char* smem, Run run) {
-  constexpr int kPiece = kXPieceChunks<FP8>;
-  if (!x_norm_in_pieces(k, kPiece)) return false;
-  float* scratch = scratch_of(smem);
-  stage_x_pieces<kPiece, true>(x, k, xs_of(smem), scratch, g);
-  run(XPiecesNorm{{x_piece_bars(scratch)}, x_norm_sums(scratch), k, eps, (k >> 3) / kPiece});
-  x_pieces_done(k, kPiece, scratch);
-  return true;
-}
-
-// The gate/up matvec and epilogue: h[g] = bf16(silu(gate) * up) in fp32 (FP8: each dot times its row's scale
-// first; a normed x in pieces: times x's norm factor before that, XScale).
-template <bool FP8, class P, class Rows, class XW>
-__device__ __forceinline__ void gate_up_matvec(const P& p, const MatvecPlan<Rows>& plan, const float* s_gate,
-                                               const float* s_up, char* smem, XW xw) {
+// The gate/up body (gate_up_silu, gate_up_silu_fp8): h[g] = bf16(silu(gate) * up) in fp32 (FP8: each dot
+// times its row's scale first).
+template <bool FP8, class P, class Rows>
+__device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>& plan, const float* s_gate,
+                                             const float* s_up, char* smem) {
+  uint4* xs = xs_of(smem);
+  PartsSum sum;
+  if (p.flags & kFlagParts) sum = PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), sum, p.flags & kFlagTaggedX);
   const int lane = threadIdx.x & 31;
   const bool tag_out = p.flags & kFlagTaggedOut;
-  XScale<XW> x_scale{xw};
   auto epi = [&](int g, float gate, float up) {
-    const float r = x_scale();
-    gate *= r;
-    up *= r;
     if constexpr (FP8) {
       gate *= __ldg(s_gate + g);
       up *= __ldg(s_up + g);
@@ -136,51 +120,27 @@ __device__ __forceinline__ void gate_up_matvec(const P& p, const MatvecPlan<Rows
       else p.h[g] = h;
     }
   };
-  matvec_prewaited<FP8, P>(plan, xs_of(smem), scratch_of(smem), epi, smem, [&](int g) {
+  matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) {
     if constexpr (FP8) {
       prefetch_l1(s_gate + g);
       prefetch_l1(s_up + g);
     }
-  }, xw);
+  });
 }
 
-// The gate/up body (gate_up_silu, gate_up_silu_fp8): x staged (normed, or in pieces), then the matvec above.
+// The LM head's body (lm_head_argmax, lm_head_argmax_fp8): the logits of the instance's rows (FP8: times
+// the row's scale after the fp32 dot), stored when kFlagLogits, and the instance's (max, row) partial.
 template <bool FP8, class P, class Rows>
-__device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>& plan, const float* s_gate,
-                                             const float* s_up, char* smem) {
+__device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>& plan, const float* scale, char* smem) {
   uint4* xs = xs_of(smem);
-  float* scratch = scratch_of(smem);
-#if MEGART_DENSE_NORM_PIECES && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
-  // A streamed instance of a tagged, normed x (the residual stream): its dots begin as x's pieces land
-  // (dense_common.cuh).
-  if constexpr (StreamOn<P>::value) {
-    if ((p.flags & (kFlagTaggedX | kFlagNorm | kFlagParts)) == (kFlagTaggedX | kFlagNorm) &&
-        normed_in_pieces<FP8>(p.x, p.norm_weight, p.k, p.eps, smem, [&](const XPiecesNorm& xw) {
-          gate_up_matvec<FP8, P>(p, plan, s_gate, s_up, smem, xw);
-        }))
-      return;
-  }
-#endif
-  PartsSum sum;
-  if (p.flags & kFlagParts) sum = PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
-  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch, sum, p.flags & kFlagTaggedX);
-  gate_up_matvec<FP8, P>(p, plan, s_gate, s_up, smem, NoXWait{});
-}
-
-// The LM head's matvec: the logits of the instance's rows (FP8: times the row's scale after the fp32 dot; a
-// normed x in pieces: times x's norm factor first, XScale), stored when kFlagLogits, and each thread's
-// running (max, row) in bv, bi.
-template <bool FP8, class P, class Rows, class XW>
-__device__ __forceinline__ void lm_head_matvec(const P& p, const MatvecPlan<Rows>& plan, const float* scale,
-                                               char* smem, XW xw, float& bv, int& bi) {
+  stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), PartsSum{},
+          p.flags & kFlagTaggedX);
   const bool store = p.flags & kFlagLogits;
   const int lane = threadIdx.x & 31;
-  XScale<XW> x_scale{xw};
+  float bv = neg_inf();
+  int bi = kNoIndex;
   auto epi = [&](int g, float a, float b) {
     const int r = 2 * g;
-    const float xr = x_scale();
-    a *= xr;
-    b *= xr;
     if constexpr (FP8) {
       a *= __ldg(scale + r);
       if (r + 1 < p.n) b *= __ldg(scale + r + 1);
@@ -193,36 +153,10 @@ __device__ __forceinline__ void lm_head_matvec(const P& p, const MatvecPlan<Rows
       if (better(b, p.row0 + r + 1, bv, bi)) { bv = b; bi = p.row0 + r + 1; }
     }
   };
-  matvec_prewaited<FP8, P>(plan, xs_of(smem), scratch_of(smem), epi, smem, [&](int g) {
+  matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) {
     if constexpr (FP8) prefetch_l1(scale + 2 * g);
-  }, xw);
-}
-
-// The LM head's body (lm_head_argmax, lm_head_argmax_fp8): x staged (normed, or in pieces), the matvec above,
-// and the instance's (max, row) partial.
-template <bool FP8, class P, class Rows>
-__device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>& plan, const float* scale, char* smem) {
-  uint4* xs = xs_of(smem);
-  float* scratch = scratch_of(smem);
-  float bv = neg_inf();
-  int bi = kNoIndex;
-  bool staged = false;
-#if MEGART_DENSE_NORM_PIECES && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
-  // A streamed instance of a tagged, normed x (the last layer's residual stream): its dots begin as x's
-  // pieces land (dense_common.cuh).
-  // (the pieces' mbarriers are plain memory again before block_argmax reuses the scratch)
-  if constexpr (StreamOn<P>::value) {
-    staged = (p.flags & (kFlagTaggedX | kFlagNorm)) == (kFlagTaggedX | kFlagNorm) &&
-             normed_in_pieces<FP8>(p.x, p.norm_weight, p.k, p.eps, smem, [&](const XPiecesNorm& xw) {
-               lm_head_matvec<FP8, P>(p, plan, scale, smem, xw, bv, bi);
-             });
-  }
-#endif
-  if (!staged) {
-    stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch, PartsSum{}, p.flags & kFlagTaggedX);
-    lm_head_matvec<FP8, P>(p, plan, scale, smem, NoXWait{}, bv, bi);
-  }
-  block_argmax(bv, bi, scratch);
+  });
+  block_argmax(bv, bi, scratch_of(smem));
   if (threadIdx.x == 0) {
     p.part_val[0] = bv;
     p.part_idx[0] = bi;

@@ -184,13 +184,14 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
 // is staged as stage_x does, chunk c by thread c mod MEGART_THREADS, but no barrier ends it. Each warp stages 32
 // consecutive chunks at a time, all in one piece of `piece` chunks (one weight stage's), and arrives on the
 // piece's mbarrier once its lanes have stored them; a stage's dots wait for their piece alone (XPieces), so a
-// matvec begins on the pieces that have landed while the last writer of x is still finishing. The mbarriers lie in the scratch's upper half
-// (the K-split combine uses its lower half). Ends with them initialised and every arrival issued.
+// matvec begins on the pieces that have landed while the last writer of x is still finishing. The mbarriers lie
+// in the scratch's upper half (the K-split combine uses its lower half). Ends with them initialised and every
+// arrival issued.
 #ifndef MEGART_DENSE_X_PIECES
 #define MEGART_DENSE_X_PIECES 1  // (H200, one process: the 1B step -17 us at 2k, -22 at 128 tokens)
 #endif
 #ifndef MEGART_DENSE_X_PIECES_FP8
-#define MEGART_DENSE_X_PIECES_FP8 0  // the same for gemv_m1_fp8 (opt-in: not yet timed)
+#define MEGART_DENSE_X_PIECES_FP8 1  // the same for gemv_m1_fp8 (H200, one process: 1b_fp8 -20 us, 1b_fp8_all -11)
 #endif
 // Whether an instance of the kernel reads a tagged x (set from the graph: tasks/dense_common.py's matvec_macros);
 // only those take the pieces paths, so a kernel without one compiles none of them.
@@ -213,50 +214,15 @@ __device__ __forceinline__ bool x_in_pieces(int k, int piece) {
   const int kc = k >> 3;
   return (k & 7) == 0 && kc % piece == 0 && kc / piece <= kMaxXPieces;
 }
-
-// A normed x in pieces (MEGART_DENSE_NORM_PIECES, opt-in: qkv, gate_up and the LM head, whose x is the residual
-// stream): the pieces hold bf16(x * g) and each stager warp's sum of x^2 (its groups in order, each a warp_sum)
-// goes to its slot at the scratch's end before it arrives; the matvec's sums are multiplied by
-// rsqrt(mean(x^2) + eps) after the dots (XPiecesNorm::rstd), which needs every piece. So RMSNorm no longer waits
-// for all of x before the first dot. Not stage_x's bits: it rounds bf16(x * rstd * g) and sums the squares per
-// thread.
-#ifndef MEGART_DENSE_NORM_PIECES
-#define MEGART_DENSE_NORM_PIECES 0
-#endif
-__device__ __forceinline__ float* x_norm_sums(float* scratch) {
-  return reinterpret_cast<float*>(reinterpret_cast<char*>(scratch) + kScratchBytes) - kWarps;
-}
-// Whether a normed x of k elements fits: whole pieces, whose mbarriers and the warps' sums share the upper half.
-__device__ __forceinline__ bool x_norm_in_pieces(int k, int piece) {
-  const int kc = k >> 3;
-  return (k & 7) == 0 && kc % piece == 0 && 8 * (kc / piece) + 4 * kWarps <= kScratchBytes / 2;
-}
-template <int kPiece, bool kNorm = false>
-__device__ __forceinline__ void stage_x_pieces(const __nv_bfloat16* x, int k, uint4* xs, float* scratch,
-                                               const __nv_bfloat16* g = nullptr) {
+template <int kPiece>
+__device__ __forceinline__ void stage_x_pieces(const __nv_bfloat16* x, int k, uint4* xs, float* scratch) {
   static_assert(kPiece % 32 == 0, "a warp's 32 chunks lie in one piece");
   const int kc = k >> 3, lane = threadIdx.x & 31;
   unsigned long long* bars = x_piece_bars(scratch);
   if ((int)threadIdx.x < kc / kPiece) mbar_init<kXArriveAll ? kPiece : kPiece / 32>(bars + threadIdx.x);
   __syncthreads();  // (initialised before any arrival)
-  float ss = 0.f;
   for (int c0 = threadIdx.x - lane; c0 < kc; c0 += MEGART_THREADS) {
-    if constexpr (kNorm) {
-      const uint4 gw = ld_weight(g + 8 * (c0 + lane));  // (issued before x's poll: the two round trips overlap)
-      float f[8], h[8], s = 0.f;
-      unpack8(ld_tagged8(x, 8 * (c0 + lane)), f);
-      unpack8(gw, h);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        s = fmaf(f[i], f[i], s);
-        f[i] *= h[i];
-      }
-      xs[c0 + lane] = pack8(f);
-      ss += warp_sum(s);
-      if (lane == 0) x_norm_sums(scratch)[threadIdx.x >> 5] = ss;  // (final at the warp's last arrive)
-    } else {
-      xs[c0 + lane] = ld_tagged8(x, 8 * (c0 + lane));
-    }
+    xs[c0 + lane] = ld_tagged8(x, 8 * (c0 + lane));
     if constexpr (kXArriveAll) {
       mbar_arrive(bars + c0 / kPiece);
     } else {

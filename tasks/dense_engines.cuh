@@ -445,37 +445,6 @@ struct XPieces {
 // x's chunks in one piece: one stage's worth (an e4m3 chunk holds 16 weights, so its stage reads twice the x).
 template <bool FP8>
 constexpr int kXPieceChunks = FP8 ? 2 * kStageChunks : kStageChunks;
-// A normed x in pieces (MEGART_DENSE_NORM_PIECES, dense_common.cuh): the pieces as above, and the factor the
-// matvec's sums take once every piece is staged: rsqrt(mean(x^2) + eps) from the stager warps' sums, in warp order.
-struct XPiecesNorm : XPieces {
-  const float* sums;
-  int k;
-  float eps;
-  int pieces;  // (x's chunks / kXPieceChunks: each piece is one weight stage's x, bf16 or e4m3)
-  __device__ __forceinline__ float rstd() const {
-    const int stagers = min(kWarps, (k >> 3) / 32);  // (the warps that staged a group, so wrote a sum)
-    for (int i = 0; i < pieces; ++i) mbar_wait_cta(bars + i, 0);
-    float t = 0.f;
-    for (int w = 0; w < stagers; ++w) t += sums[w];
-    return rsqrtf(t / (float)k + eps);
-  }
-};
-// The factor a matvec's sums take: 1 when x was normed as it was staged, else XPiecesNorm's, computed once per
-// thread at its first epilogue (by then the thread's dots have waited for the pieces they read).
-template <class XW>
-struct XScale {
-  const XW& xw;
-  __device__ __forceinline__ float operator()() const { return 1.f; }
-};
-template <>
-struct XScale<XPiecesNorm> {
-  const XPiecesNorm& xw;
-  float v = 0.f;
-  __device__ __forceinline__ float operator()() {
-    if (v == 0.f) v = xw.rstd();
-    return v;
-  }
-};
 
 // A matvec's work: `groups` row pairs of `kc` 16-byte chunks each, rows named by `rows`. A task with a
 // prewait builds it once (plan_<name>) for both the prewait's ring_fill and the body.
@@ -545,10 +514,10 @@ __device__ __forceinline__ void matvec_prewaited(const MatvecPlan<Rows>& m, cons
 
 // The body side of a type without a prewait (qkv_rope_append): weights from the launch-wide stream when
 // the type is streamed, else through registers (the per-instance ring needs a prewait to fill it).
-template <bool FP8, class P, class Rows, class Epi, class Pre = NoPre, class XW = NoXWait>
+template <bool FP8, class P, class Rows, class Epi, class Pre = NoPre>
 __device__ __forceinline__ void matvec_streamed(const MatvecPlan<Rows>& m, const uint4* xs, float* red, Epi epi,
-                                                Pre pre = Pre{}, XW xw = XW{}) {
-  matvec_entry<FP8, P, false>(m, xs, red, epi, nullptr, pre, xw);
+                                                Pre pre = Pre{}) {
+  matvec_entry<FP8, P, false>(m, xs, red, epi, nullptr, pre, NoXWait{});
 }
 
 }  // namespace dense

@@ -17,7 +17,7 @@ __device__ __forceinline__ void megart_task_gemv_m1_fp8(const P& p, char* smem) 
   };
   auto pre = [&](int g) { prefetch_l1(p.scale + 2 * g); };
 #if MEGART_DENSE_X_PIECES_FP8 && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
-  // x in pieces as gemv_m1 stages it (opt-in here, not yet timed): a piece is one e4m3 stage's x.
+  // x in pieces as gemv_m1 stages it: a piece is one e4m3 stage's x.
   if constexpr (StreamOn<P>::value) {
     if (gemv_in_pieces<true, P>(p, plan_gemv_m1_fp8(p), epi, pre, smem)) return;
   }

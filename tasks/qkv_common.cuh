@@ -46,34 +46,6 @@ __device__ __forceinline__ auto qkv_plan(const P& p) {
       megart_attn::QkvRows{reinterpret_cast<const char*>(p.w), (kFp8 ? 1ll : 2ll) * p.d, p.half}};
 }
 
-// The instance's dots: dots[g] (low rows) and dots[np + g] (high rows), fp8: times each row's scale, a normed
-// x in pieces: times x's norm factor first (XScale).
-template <class P, class XW>
-__device__ __forceinline__ void qkv_dots(const P& p, const uint4* xs, float* scratch, float* dots, XW xw) {
-  constexpr bool kFp8 = sizeof(p.w[0]) == 1;
-  const int np = p.npairs, half = p.half, lane = threadIdx.x & 31;
-  megart::dense::XScale<XW> x_scale{xw};
-  auto epi = [&](int g, float lo, float hi) {
-    const float r = x_scale();
-    lo *= r;
-    hi *= r;
-    if constexpr (kFp8) {
-      lo *= __ldg(p.scale + g);
-      hi *= __ldg(p.scale + half + g);
-    }
-    if (lane == 0) {
-      dots[g] = lo;
-      dots[np + g] = hi;
-    }
-  };
-  megart::dense::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, epi, [&](int g) {
-    if constexpr (kFp8) {
-      megart::prefetch_l1(p.scale + g);
-      megart::prefetch_l1(p.scale + half + g);
-    }
-  }, xw);
-}
-
 // The body of both forms. fp8: each row's dot times its f32 scale (scale points at the instance's first row,
 // as w does), before the head norm and RoPE, as gemv_m1_fp8 scales before its epilogue.
 template <class P>
@@ -94,43 +66,27 @@ __device__ __forceinline__ void qkv_body(const P& p, char* smem) {
     c_first = p.cos[t];
     s_first = p.sin[t];
   }
+  dn::PartsSum sum;  // a folded all-reduce: x + the ranks' partials is staged, this instance's piece stored
+  if (p.mode & at::kModeParts) sum = dn::PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
+  dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch, sum,
+              (p.mode & at::kModeTaggedX) != 0);
   // (an out-of-range position still reads its weights: a streamed type consumes every stage it declared)
-  bool staged = false;
-#if MEGART_DENSE_NORM_PIECES && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
-  // A streamed instance of a tagged, normed x (the residual stream): its dots begin as x's pieces land
-  // (tasks/dense_common.cuh).
-  if constexpr (megart::StreamOn<P>::value) {
-    constexpr int kIn = at::kModeNorm | at::kModeTaggedX | at::kModeParts;
-    staged = (p.mode & kIn) == (at::kModeNorm | at::kModeTaggedX) &&
-             dn::normed_in_pieces<kFp8>(p.x, p.norm_weight, p.d, p.eps, smem, [&](const dn::XPiecesNorm& xw) {
-               qkv_dots(p, xs, scratch, dots, xw);
-             });
-  }
-#endif
-  if (!staged) {
-    dn::PartsSum sum;  // a folded all-reduce: x + the ranks' partials is staged, this instance's piece stored
-    if (p.mode & at::kModeParts) sum = dn::PartsSum{p.parts, p.tp, p.x_out, p.x_lo, p.x_hi};
-    dn::stage_x(p.x, p.norm_weight, p.d, (p.mode & at::kModeNorm) != 0, p.eps, xs, scratch, sum,
-                (p.mode & at::kModeTaggedX) != 0);
-    // qkv_dots(p, xs, scratch, dots, dn::NoXWait{}) spelled out: through the helper the e4m3 kernel's SASS
-    // changed (1b_fp8_all: 112 instructions fewer), which needs a GPU A/B before it lands
-    auto epi = [&](int g, float lo, float hi) {
-      if constexpr (kFp8) {
-        lo *= __ldg(p.scale + g);
-        hi *= __ldg(p.scale + half + g);
-      }
-      if (lane == 0) {
-        dots[g] = lo;
-        dots[np + g] = hi;
-      }
-    };
-    dn::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, epi, [&](int g) {
-      if constexpr (kFp8) {
-        megart::prefetch_l1(p.scale + g);
-        megart::prefetch_l1(p.scale + half + g);
-      }
-    });
-  }
+  auto epi = [&](int g, float lo, float hi) {
+    if constexpr (kFp8) {
+      lo *= __ldg(p.scale + g);
+      hi *= __ldg(p.scale + half + g);
+    }
+    if (lane == 0) {
+      dots[g] = lo;
+      dots[np + g] = hi;
+    }
+  };
+  dn::matvec_streamed<kFp8, P>(qkv_plan(p), xs, scratch, epi, [&](int g) {
+    if constexpr (kFp8) {
+      megart::prefetch_l1(p.scale + g);
+      megart::prefetch_l1(p.scale + half + g);
+    }
+  });
   __syncthreads();
   if (pos < 0 || pos >= p.max_seq) return;  // out-of-range position: the instance writes nothing
 
