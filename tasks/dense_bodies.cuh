@@ -82,10 +82,9 @@ __device__ __forceinline__ void gemv_store(const P& p, int r, float v) {
   else p.y[r] = y;
 }
 
-// A streamed gemv of a tagged x with no norm, x in pieces (gemv_m1_fp8, MEGART_DENSE_X_PIECES_FP8;
-// dense_common.cuh): stages x and runs the matvec. False, having done nothing, when the instance's x does not
-// qualify (the caller then stages it whole). gemv_m1 spells the same steps out: moved here, its SASS schedule
-// changed (same instruction count), which needs a GPU A/B before it lands.
+// A streamed gemv of a tagged x with no norm, x in pieces (gemv_m1 and gemv_m1_fp8: MEGART_DENSE_X_PIECES and
+// _FP8, dense_common.cuh): stages x and runs the matvec. False, having done nothing, when the instance's x does
+// not qualify (the caller then stages it whole).
 template <bool FP8, class P, class Rows, class Epi, class Pre>
 __device__ __forceinline__ bool gemv_in_pieces(const P& p, const MatvecPlan<Rows>& plan, Epi epi, Pre pre,
                                                char* smem) {

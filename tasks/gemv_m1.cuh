@@ -18,13 +18,7 @@ __device__ __forceinline__ void megart_task_gemv_m1(const P& p, char* smem) {
 #if MEGART_DENSE_X_PIECES && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
   // A streamed matvec of a tagged x with no norm: its stages' dots begin as their pieces of x land (dense_common.cuh).
   if constexpr (StreamOn<P>::value) {
-    if ((p.flags & (kFlagTaggedX | kFlagNorm)) == kFlagTaggedX && x_in_pieces(p.k, kStageChunks)) {
-      stage_x_pieces<kStageChunks>(p.x, p.k, xs, scratch_of(smem));
-      matvec_prewaited<false, P>(plan_gemv_m1(p), xs, scratch_of(smem), epi, smem, NoPre{},
-                                 XPieces{x_piece_bars(scratch_of(smem))});
-      x_pieces_done(p.k, kStageChunks, scratch_of(smem));
-      return;
-    }
+    if (gemv_in_pieces<false, P>(p, plan_gemv_m1(p), epi, NoPre{}, smem)) return;
   }
 #endif
   stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), PartsSum{},
