@@ -113,7 +113,20 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def _options(arch: str) -> dict:
     """The NVRTC options, built once for both the cache key and the compile (include paths too: another
     header set is another kernel)."""
-    return dict(arch=arch, std="c++17", ptxas_options=["-v"], name=FILE_NAME, include_path=include_paths())
+    opts = dict(arch=arch, std="c++17", ptxas_options=["-v"], name=FILE_NAME, include_path=include_paths())
+    if _nvrtc_caches():
+        opts["no_cache"] = True
+    return opts
+
+
+def _nvrtc_caches() -> bool:
+    """Whether NVRTC keeps its own cache of compiled code (12.9 on, where a driver is installed) and cuda.core
+    can turn it off. A build it serves from that cache skips ptxas, so the log carries no ptxas report (no
+    registers, no spills: seen on the H200 host, every build of a source compiled there before); this module's
+    cache keeps the report beside the cubin instead."""
+    from cuda.core import ProgramOptions
+    major, minor = (int(v) for v in nvrtc_version().split("."))
+    return (major, minor) >= (12, 9) and "no_cache" in getattr(ProgramOptions, "__dataclass_fields__", {})
 
 
 def cache_key(src: Source, arch: str) -> str:

@@ -107,6 +107,23 @@ def test_a_log_without_the_register_count_is_named_and_the_cubin_read(monkeypatc
     assert blind.report.registers == full.report.registers and blind.report.spill_bytes == 0
 
 
+def test_nvrtc_own_cache_is_turned_off_where_it_exists(monkeypatch):
+    """NVRTC 12.9 on keeps its own cache of compiled code where a driver is installed, and a build it serves
+    from there skips ptxas, so its log carries no register or spill count (the H200 host: every build of a
+    source compiled there before). The options ask for --no-cache from 12.9 on and never before (an older
+    NVRTC would reject the flag); this NVRTC takes it and still reports the registers."""
+    import megart.compile as mc
+    from cuda.core import ProgramOptions
+    real = mc.nvrtc_version()
+    monkeypatch.setattr(mc, "nvrtc_version", lambda: "12.8")
+    assert "no_cache" not in mc._options("sm_90a")
+    monkeypatch.setattr(mc, "nvrtc_version", lambda: "13.0")
+    assert b"--no-cache" in ProgramOptions(**mc._options("sm_90a")).as_bytes("nvrtc")
+    monkeypatch.setattr(mc, "nvrtc_version", lambda: real)
+    built = compile_source(codegen.generate([registry.get("noop")], codegen.KernelConfig()), "sm_90a", use_cache=False)
+    assert built.report.registers > 0 and "Used" in built.log
+
+
 def test_kernel_defines_types_first_then_the_callers_macros():
     """A type's own macros (defines_for) come from the same config its shared memory is sized with; the
     caller's macros override them, and the sizes follow the override."""
