@@ -358,20 +358,22 @@ def library(types: list | None = None, threads: int = 256, overrides: dict | Non
     d.mkdir(parents=True, exist_ok=True)
     so = d / f"{key}.so"
     if not so.is_file():
-        tmp = d / f"{key}.{os.getpid()}"
-        cpp = tmp.with_suffix(".cpp")
+        # Built under this process's own names and renamed in whole: another process (a pytest-xdist worker)
+        # building or loading the same key meanwhile never sees a half-written library.
+        tmp_so, cpp = d / f"{key}.{os.getpid()}.tmp.so", d / f"{key}.{os.getpid()}.cpp"
         cpp.write_text(src)
-        cmd = [cxx, *CXX_FLAGS, "-o", str(tmp.with_suffix(".so")), str(cpp)]
+        cmd = [cxx, *CXX_FLAGS, "-o", str(tmp_so), str(cpp)]
         cmd += [f"-I{p}" for p in _host_includes()]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as exc:
             raise CompileError(f"host compiler {cxx!r} not runnable: {exc}") from None
+        cpp.unlink(missing_ok=True)
         if r.returncode != 0:
+            tmp_so.unlink(missing_ok=True)
             raise CompileError("host compile of the task bodies failed:\n" + r.stderr[-6000:], log=r.stderr,
                                source=src)
-        os.replace(tmp.with_suffix(".so"), so)
-        cpp.unlink(missing_ok=True)
+        os.replace(tmp_so, so)
     lib = ctypes.CDLL(str(so))
     lib.megart_hostsim_run.restype = ctypes.c_int
     lib.megart_hostsim_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
