@@ -11,7 +11,7 @@ import torch
 
 from ..geometry.dense import EXPERT_ROWS  # group_gemm_m1: each expert's tile of `a` / `y` rows (row 0 live)
 from ..registry import Cost, TaskType, ptr, register, scalar
-from .dense_common import (source, defines_for, matvec_macros, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_PARTS, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS,
+from .dense_common import (source, defines_for, matvec_macros, tagged_flag, smem_for, FLAG_LOGITS, FLAG_NORM, FLAG_PARTS, FLAG_RESIDUAL, SCRATCH_BYTES, HEADERS,
                            STAGE_SMEM, aligned, check_k, tagged_flags, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub,
                            wrappers, fold_pieces, fold_ref, FOLD_PARAMS)
 from .shapes import check_shape
@@ -22,6 +22,8 @@ from .tiling import even_tiles, require
 RING = dict(prewait=True, stream=True, smem_for=smem_for, defines_for=defines_for, smem_bytes=STAGE_SMEM)  # (smem_bytes: ring off)
 # ... with the row pairs of a pair-plan instance (tasks/dense_bodies.cuh's pair_plan: rows 2g, 2g + 1 of n)
 ROW_PAIRS = dict(RING, macros_for=matvec_macros(lambda p: (p["n"] + 1) // 2))
+# ... and an x in pieces when it is tagged (gemv_m1, gemv_m1_fp8: MEGART_DENSE_X_PIECES)
+GEMV_ROW_PAIRS = dict(RING, macros_for=matvec_macros(lambda p: (p["n"] + 1) // 2, tagged_flag))
 
 
 def _norm(p):
@@ -94,7 +96,7 @@ register(TaskType(
     source=source("gemv_m1"), headers=HEADERS, reference=_gemv_ref,
     split=lambda nw, tiles=1, y=None, w=None, x=None, residual=None, norm_weight=None, eps=1e-5:
         _gemv_split("gemv_m1", nw, tiles, y, w, x, residual, norm_weight, eps),
-    cost=_gemv_cost, prefetch=True, **ROW_PAIRS,
+    cost=_gemv_cost, prefetch=True, **GEMV_ROW_PAIRS,
     doc="y[N] = W[N,K] @ x (+ residual[N], may be y itself); with norm_weight, x is RMS-normalised first "
         "(each CTA reduces x itself; the normalised x is rounded to bf16). bf16 in/out, fp32 accumulation. "
         "Tiles over output rows."), builtin=True)
@@ -119,7 +121,7 @@ register(TaskType(
     source=source("gemv_m1_fp8"), headers=HEADERS, reference=_gemv_fp8_ref,
     split=lambda nw, tiles=1, y=None, w=None, scale=None, x=None, residual=None, norm_weight=None, eps=1e-5:
         _gemv_split("gemv_m1_fp8", nw, tiles, y, w, x, residual, norm_weight, eps, scale=scale, w_elem=1),
-    cost=_gemv_cost, prefetch=True, **ROW_PAIRS,
+    cost=_gemv_cost, prefetch=True, **GEMV_ROW_PAIRS,
     doc="y[N] = scale[N] * (W8[N,K] @ x) (+ residual): pre-quantised e4m3 weights with per-output-channel "
         "f32 scales; same options as gemv_m1. K must be a multiple of 16."), builtin=True)
 

@@ -211,7 +211,7 @@ register(TaskType(
             ptr("tdst2", "bf16", "out", optional=True, tagged=True), *FOLD_PARAMS),
     source="tasks/qkv_rope_append.cuh", headers=QKV_HEADERS, reference=_qkv_ref,
     split=_qkv_split, cost=_qkv_cost, smem_bytes=SMEM_QKV, prefetch=True, stream=True,
-    macros_for=matvec_macros(lambda p: p["npairs"], lambda p: p["mode"] & MODE_TAGGED_X),
+    macros_for=matvec_macros(lambda p: p["npairs"]),
     doc="q, k, v = (rmsnorm(x)) @ w_qkv.T; optional per-head RMSNorm of q, k (q_norm / k_norm, Qwen3); "
         "rotate-half RoPE on q, k at the device position pos; k, v appended to the caches at row pos, or (the "
         "tagged form: q, k_new, v_new tagged tensors) q and the new k, v rows stored as tagged words."), builtin=True)
@@ -230,7 +230,7 @@ register(TaskType(
     source="tasks/qkv_rope_append_fp8.cuh", headers=QKV_HEADERS, reference=_qkv_ref,
     split=lambda nw, tiles=1, **kw: _qkv_split(nw, tiles, T="qkv_rope_append_fp8", **kw), cost=_qkv_cost,
     smem_bytes=SMEM_QKV, prefetch=True, stream=True,
-    macros_for=matvec_macros(lambda p: p["npairs"], lambda p: p["mode"] & MODE_TAGGED_X),
+    macros_for=matvec_macros(lambda p: p["npairs"]),
     doc="qkv_rope_append over e4m3 rows of w_qkv with one f32 scale per row (`scale`, [rows]): each dot times "
         "its row's scale, then the head norm, RoPE and the stores as qkv_rope_append. d a multiple of 16."),
     builtin=True)

@@ -276,10 +276,12 @@ def test_matvec_macros_mirror_the_whole_pairs_rule_and_the_tagged_inputs():
     neither macro (each must agree with the instances)."""
     from megart.tasks import dense_common as dc
     assert [dc.whole_pairs_from(t) for t in (96, 128, 256, 512)] == [2, 3, 5, 9]
-    asks = dc.matvec_macros(lambda p: p["n"])
+    asks = dc.matvec_macros(lambda p: p["n"], dc.tagged_flag)
     tagged = {"n": 9, "flags": dc.FLAG_TAGGED_X | dc.FLAG_NORM}
     assert asks([{"n": 4}, {"n": 9}], 256) == {"MEGART_DENSE_KSPLIT": 1, "MEGART_DENSE_TAGGED_X": 0}
     assert asks([{"n": 4}, tagged], 128) == {"MEGART_DENSE_KSPLIT": 0, "MEGART_DENSE_TAGGED_X": 1}
+    # a type without a pieces path (gate_up, the LM head, qkv) does not ask for them, tagged x or not
+    assert dc.matvec_macros(lambda p: p["n"])([{"n": 4}, tagged], 128) == {"MEGART_DENSE_KSPLIT": 0}
     for macro in ("MEGART_DENSE_KSPLIT", "MEGART_DENSE_TAGGED_X"):
         with pytest.raises(megart.ConfigError, match=macro):
             megart.PersistentKernel(nw=1, device="cpu", defines={macro: 0})
