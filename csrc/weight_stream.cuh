@@ -71,12 +71,6 @@ __device__ __forceinline__ void bulk_load(const void* dst, const void* src, unsi
                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(b)) : "memory");
 }
-// One 16-byte store into this CTA's shared memory that counts its bytes down on mbarrier b (complete_tx), as a
-// bulk copy's do: the barrier, not the storing thread, publishes it (x in pieces, MEGART_DENSE_X_ARRIVE_ALL=2).
-__device__ __forceinline__ void st_async16(void* dst, uint4 v, unsigned long long* b) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
-               ::"r"(smem_addr(dst)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(smem_addr(b)) : "memory");
-}
 // Same, with an L2 policy (streamed weights are read once: evict-first).
 __device__ __forceinline__ void bulk_load_hint(const void* dst, const void* src, unsigned bytes, unsigned long long* b,
                                                unsigned long long policy) {
@@ -124,11 +118,6 @@ inline void bulk_load(const void* dst, const void* src, unsigned bytes, unsigned
 }
 inline void bulk_load_hint(const void* dst, const void* src, unsigned bytes, unsigned long long* b, unsigned long long) {
   bulk_load(dst, src, bytes, b);
-}
-// The model has no byte count: each store is one arrival (the barrier's initial count says how many).
-inline void st_async16(void* dst, uint4 v, unsigned long long* b) {
-  *static_cast<uint4*>(dst) = v;
-  mbar_arrive(b);
 }
 #endif
 

@@ -6,7 +6,7 @@
 #   LAYERS=n trims the model (default 16); TOOL_TIMEOUT=s per tool (default 150);
 #   VARIANTS="default;MEGART_STREAM_SLOTS=0" (the model default streams its weights; 0: registers) and TOOLS="memcheck racecheck synccheck" choose what runs.
 #   (racecheck reports the x-in-pieces hand-off of the default build, which it does not follow; the variant
-#   MEGART_DENSE_X_ARRIVE_ALL=1 builds the form it follows; 2, the st.async form, is untried: docs/ARCHITECTURE.md)
+#   MEGART_DENSE_X_ARRIVE_ALL=1 builds the form it follows: docs/ARCHITECTURE.md)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -200,24 +200,16 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
 #endif
 // Who completes a piece: lane 0 once the warp's stores are done (__syncwarp orders them before its release; the
 // default), every lane after its own store (MEGART_DENSE_X_ARRIVE_ALL=1: each arrive releases that lane's store,
-// which racecheck follows; it reports the default form as a race; measured 10-23 us slower), or the stores
-// themselves (2, not yet timed: st.async counts each store's 16 bytes down on the piece's mbarrier, which one
-// arrive.expect_tx of the piece's bytes opened, as bulk copies complete the weight stages; no arrive, no
-// __syncwarp).
+// which racecheck follows; it reports the default form as a race; measured 10-23 us slower). (A third form, the
+// stores completing the piece through st.async, ended in an illegal instruction on the H200 and was removed.)
 #ifndef MEGART_DENSE_X_ARRIVE_ALL
 #define MEGART_DENSE_X_ARRIVE_ALL 0
 #endif
 constexpr int kXArrive = MEGART_DENSE_X_ARRIVE_ALL;
-static_assert(kXArrive >= 0 && kXArrive <= 2, "MEGART_DENSE_X_ARRIVE_ALL is 0, 1 or 2");
-// The arrivals a piece's mbarrier expects per phase (the host simulation counts a store as an arrival).
+static_assert(kXArrive == 0 || kXArrive == 1, "MEGART_DENSE_X_ARRIVE_ALL is 0 or 1");
+// The arrivals a piece's mbarrier expects per phase.
 template <int kPiece>
-constexpr unsigned kXPieceArrivals = kXArrive == 0 ? kPiece / 32
-                                     : kXArrive == 1 ? kPiece
-#ifdef __CUDA_ARCH__
-                                                     : 1;
-#else
-                                                     : kPiece + 1;
-#endif
+constexpr unsigned kXPieceArrivals = kXArrive == 0 ? kPiece / 32 : kPiece;
 constexpr int kMaxXPieces = kScratchBytes / 2 / 8;
 __device__ __forceinline__ unsigned long long* x_piece_bars(float* scratch) {
   return reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(scratch) + kScratchBytes / 2);
@@ -232,19 +224,9 @@ __device__ __forceinline__ void stage_x_pieces(const __nv_bfloat16* x, int k, ui
   static_assert(kPiece % 32 == 0, "a warp's 32 chunks lie in one piece");
   const int kc = k >> 3, lane = threadIdx.x & 31;
   unsigned long long* bars = x_piece_bars(scratch);
-  if ((int)threadIdx.x < kc / kPiece) {
-    mbar_init<kXPieceArrivals<kPiece>>(bars + threadIdx.x);
-    if constexpr (kXArrive == 2) {
-      mbar_init_fence();
-      mbar_expect(bars + threadIdx.x, 16u * kPiece);  // (the phase's one arrival; the stores count the bytes down)
-    }
-  }
+  if ((int)threadIdx.x < kc / kPiece) mbar_init<kXPieceArrivals<kPiece>>(bars + threadIdx.x);
   __syncthreads();  // (initialised before any arrival)
   for (int c0 = threadIdx.x - lane; c0 < kc; c0 += MEGART_THREADS) {
-    if constexpr (kXArrive == 2) {
-      st_async16(xs + c0 + lane, ld_tagged8(x, 8 * (c0 + lane)), bars + c0 / kPiece);
-      continue;
-    }
     xs[c0 + lane] = ld_tagged8(x, 8 * (c0 + lane));
     if constexpr (kXArrive == 1) {
       mbar_arrive(bars + c0 / kPiece);
