@@ -57,12 +57,14 @@ def _kv_head(kr, vr, new, h: int, ms: int, hd: int):
 
 def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o=None, part_ml=None, n_q, n_kv, hd, max_seq=None,
                 chunk=0, chunks=None, min_chunk=0, scale=None, out=None, arrivals=None, k_new=None, v_new=None,
-                pos_stamp=None, width=None):
+                pos_stamp=None, width=None, direct_upto=0):
     T = "attention_decode"
     qr, kr, vr, group, ms = _attn_shapes(T, q, k_cache, v_cache, n_q, n_kv, hd, max_seq)
     pr = as_ref(pos, "pos")
     require(pr.count == 1, T, f"pos must be a single i32 element, has {pr.count}")
     if out is not None and arrivals is None:   # the direct form: one chunk, the output itself, no partials
+        require(not direct_upto, T, f"direct_upto={direct_upto!r} applies to the fused form (out and arrivals); "
+                                    "the direct form attends every length directly")
         return _direct_split(T, qr, kr, vr, pr, as_ref(out, "out"), group, ms, n_q=n_q, n_kv=n_kv, hd=hd,
                              chunk=chunk, chunks=chunks, min_chunk=min_chunk, scale=scale, width=width,
                              part_o=part_o, part_ml=part_ml, k_new=k_new, v_new=v_new, pos_stamp=pos_stamp)
@@ -91,6 +93,7 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o=None, part_ml=N
     tagged_out = int(out is not None and as_ref(out, "out").tensor.tagged)
     new = new_rows(T, qr, k_new, v_new, n_kv, hd)   # the tagged form: q and the new rows polled
     stamp = pos_stamp_ref(T, pos_stamp)   # (the weight stream's producer reads pos once it is stamped)
+    _check_direct_upto(T, direct_upto, arrivals, group, nch, ms, new, stamp)
     res = []
     for h in range(n_kv):
         k_ref, v_ref, rows = _kv_head(kr, vr, new, h, ms, hd)
@@ -103,8 +106,29 @@ def _attn_split(nw, tiles=1, *, q, k_cache, v_cache, pos, part_o=None, part_ml=N
                                 part_ml=pmr.tensor.ref(pmr.offset + slot * 2, ng * 2),
                                 group=ng, hd=hd, chunk=chunk, cidx=c, nchunks=nch, min_chunk=min_chunk,
                                 max_seq=ms, scale=scale,
-                                tagged_out=tagged_out, pos_stamp=stamp, **rows, **fused(h, c)))
+                                tagged_out=tagged_out, direct_upto=direct_upto, pos_stamp=stamp, **rows,
+                                **fused(h, c)))
     return res
+
+
+def _check_direct_upto(T, direct_upto, arrivals, group, nch, ms, new, stamp) -> None:
+    """The switch (direct_upto > 0): while kv_len <= direct_upto, chunk c < group of each kv head attends q head c
+    over every position and writes its output itself (the direct form's one hop), and the other chunks idle; past
+    it the chunks and their fused merge run. It needs the fused form (the output is the merge's), a chunk per q head,
+    the caches themselves (not the tagged form's new rows) and K/V read by the body (no pos_stamp)."""
+    require(isinstance(direct_upto, int) and not isinstance(direct_upto, bool) and 0 <= direct_upto, T,
+            f"direct_upto must be an integer >= 0 (positions up to which the direct form runs; 0: never), "
+            f"got {direct_upto!r}")
+    if not direct_upto:
+        return
+    require(arrivals is not None, T, f"direct_upto={direct_upto} needs the fused form (out and arrivals): "
+                                     "past it the chunks' merge writes out")
+    require(nch >= group, T, f"direct_upto={direct_upto} gives each of a kv head's {group} q heads a chunk's "
+                             f"instance; there are {nch} chunks")
+    require(new is None, T, f"direct_upto={direct_upto} reads the caches; the tagged form (k_new, v_new) is not "
+                            "supported with it")
+    require(stamp is None, T, f"direct_upto={direct_upto} reads K/V in the body; leave pos_stamp out (K/V through "
+                              "the weight stream)")
 
 
 def _direct_split(T, qr, kr, vr, pr, orf, group, ms, *, n_q, n_kv, hd, chunk, chunks, min_chunk, scale, width,
@@ -131,7 +155,8 @@ def _direct_split(T, qr, kr, vr, pr, orf, group, ms, *, n_q, n_kv, hd, chunk, ch
             res.append(dict(q=qr.tensor.ref(qr.offset + first, ng * hd), k_cache=k_ref, v_cache=v_ref, pos=pr,
                             part_o=None, part_ml=None, group=ng, hd=hd, chunk=0, cidx=0, nchunks=1,
                             min_chunk=min_chunk, max_seq=ms, scale=scale, out=orf.tensor.ref(orf.offset + first, ng * hd),
-                            arrivals=None, tagged_out=int(orf.tensor.tagged), pos_stamp=stamp, **rows))
+                            arrivals=None, tagged_out=int(orf.tensor.tagged), direct_upto=0, pos_stamp=stamp,
+                            **rows))
     return res
 
 
@@ -209,17 +234,37 @@ def _attn_ref(p) -> None:
     ml[:, 1] = e.sum(dim=1)
 
 
+def _direct_ref(p, out) -> None:
+    """The direct form's output into out: the instance's q heads over every position, o / l, as the merge of that
+    one chunk alone."""
+    import torch
+    G, hd = p.group, p.hd
+    part = SimpleNamespace(**{**vars(p), "part_o": torch.empty(G * hd, dtype=torch.float32),
+                              "part_ml": torch.empty(G * 2, dtype=torch.float32), "chunk": 0, "cidx": 0,
+                              "nchunks": 1, "min_chunk": 0})
+    _attn_ref(part)
+    _merge_ref(SimpleNamespace(out=out, part_o=part.part_o, part_ml=part.part_ml, nheads=G, group=G, hd=hd,
+                               chunks=1, g0=0))
+
+
+def _back(view, n: int, total: int):
+    """`total` elements of view's storage starting n elements before view (a tagged out's values are every other
+    half: its stride)."""
+    return view.as_strided((total,), (view.stride(0),), view.storage_offset() - n * view.stride(0))
+
+
 def _attn_fused_ref(p) -> None:
     """The partials, then (the fused form) the arrival: the last chunk of the kv head merges them all. The direct
-    form (no partials): its one chunk's o / l, as the merge of that chunk alone."""
+    form (no partials): its one chunk's o / l. The switch (direct_upto, kv_len within it): chunk c < group writes q
+    head c's output as the direct form; no partials, no arrival."""
     if p.part_o is None:
-        import torch
-        G, hd = p.group, p.hd
-        part = SimpleNamespace(**{**vars(p), "part_o": torch.empty(G * hd, dtype=torch.float32),
-                                  "part_ml": torch.empty(G * 2, dtype=torch.float32)})
-        _attn_ref(part)
-        _merge_ref(SimpleNamespace(out=p.out, part_o=part.part_o, part_ml=part.part_ml, nheads=G, group=G, hd=hd,
-                                   chunks=1, g0=0))
+        _direct_ref(p, p.out)
+        return
+    if getattr(p, "direct_upto", 0) and _kv_len(int(p.pos[0]), p.max_seq) <= p.direct_upto:
+        if p.cidx < p.group:
+            G, hd, c = p.group, p.hd, p.cidx
+            head = _back(p.out, out_claim(G * hd, p.nchunks, c)[0], G * hd)[c * hd:(c + 1) * hd]
+            _direct_ref(SimpleNamespace(**{**vars(p), "group": 1, "q": p.q.reshape(-1)[c * hd:(c + 1) * hd]}), head)
         return
     _attn_ref(p)
     if p.arrivals is None:
@@ -233,11 +278,9 @@ def _attn_fused_ref(p) -> None:
     # exactly nothing, so merging all of them, as the device without it, gives the same values)
     kv_len = _kv_len(int(p.pos[0]), p.max_seq)
     active = C if p.chunk else active_chunks(C, kv_len, p.min_chunk)
-    back = lambda view, n, total: view.as_strided(  # noqa: E731  (stride: a tagged out's values are every other half)
-        (total,), (view.stride(0),), view.storage_offset() - n * view.stride(0))
-    _merge_ref(SimpleNamespace(out=back(p.out, out_claim(G * hd, C, p.cidx)[0], G * hd),
-                               part_o=back(p.part_o, p.cidx * G * hd, active * G * hd),
-                               part_ml=back(p.part_ml, p.cidx * G * 2, active * G * 2),
+    _merge_ref(SimpleNamespace(out=_back(p.out, out_claim(G * hd, C, p.cidx)[0], G * hd),
+                               part_o=_back(p.part_o, p.cidx * G * hd, active * G * hd),
+                               part_ml=_back(p.part_ml, p.cidx * G * 2, active * G * 2),
                                nheads=G, group=G, hd=hd, chunks=active, g0=0))
 
 
@@ -311,6 +354,8 @@ def _attn_macros(params, threads) -> dict:
         out["MEGART_ATTN_UNSTAMPED"] = 1
     if any(p.get("part_o") is None for p in params):
         out["MEGART_ATTN_DIRECT"] = 1
+    if any(p.get("direct_upto") for p in params):
+        out["MEGART_ATTN_SWITCH"] = 1
     out["MEGART_ATTN_FUSED_MERGE"] = int(any(p.get("arrivals") is not None for p in params))
     return out
 
@@ -323,7 +368,7 @@ register(TaskType(
             scalar("group"), scalar("hd"), scalar("chunk"), scalar("cidx"), scalar("nchunks"), scalar("min_chunk"),
             scalar("max_seq"),
             scalar("scale", "f32"), ptr("out", "bf16", "out", optional=True, tagged=True),
-            ptr("arrivals", "i32", "sync", optional=True), scalar("tagged_out"),
+            ptr("arrivals", "i32", "sync", optional=True), scalar("tagged_out"), scalar("direct_upto"),
             ptr("k_new", "bf16", "in", optional=True, tagged=True), ptr("v_new", "bf16", "in", optional=True, tagged=True),
             ptr("pos_stamp", "bf16", "in", optional=True, tagged=True)),
     source="tasks/attention_decode.cuh", headers=ATTENTION_HEADERS + ("tasks/attention_decode_blocks.cuh",),

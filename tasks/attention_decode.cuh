@@ -24,11 +24,12 @@
 
 namespace megart_attn {
 
-template <int HD, int G, int VEC>
+template <int HD, int G, int VEC, bool kOneHead = false>
 __device__ __forceinline__ void store_partials(const megart_params_attention_decode& p, char* smem, float (&m)[G],
                                                float (&l)[G], float (&o)[G][VEC]);
 
-template <int HD, int G>
+// kOneHead (the switch, below): q head cidx of the instance's group alone (G = 1), its output written directly.
+template <int HD, int G, bool kOneHead = false>
 __device__ __forceinline__ void attention_decode_body(const megart_params_attention_decode& p, char* smem, int lo,
                                                       int hi) {
   constexpr int NT = MEGART_THREADS, NWARP = NT / 32;
@@ -87,7 +88,7 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   }
   if (tnew) poll_tagged_inputs<HD, G>(p, smem, tpos);
   float q[G][VEC], m[G], l[G], o[G][VEC];
-  load_q<HD, G, VEC>(p, tnew, sub, q, m, l, o);
+  load_q<HD, G, VEC>(p, tnew, sub, q, m, l, o, kOneHead ? p.cidx * HD : 0);
 
   if constexpr (kRing) {
     // The tagged form: the stage and vector of position pos, if this thread holds it (its ring copy is of the
@@ -135,12 +136,12 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
     }
   }
 
-  store_partials<HD, G, VEC>(p, smem, m, l, o);
+  store_partials<HD, G, VEC, kOneHead>(p, smem, m, l, o);
 }
 
 // The instance's result from every lane's softmax state: the RPW slots of each warp merged across lanes, the
 // warps merged through shared memory, then m (natural units), l and o stored per q head.
-template <int HD, int G, int VEC>
+template <int HD, int G, int VEC, bool kOneHead>
 __device__ __forceinline__ void store_partials(const megart_params_attention_decode& p, char* smem, float (&m)[G],
                                                float (&l)[G], float (&o)[G][VEC]) {
   constexpr int NT = MEGART_THREADS, NWARP = NT / 32, LPR = HD / VEC;
@@ -211,14 +212,16 @@ __device__ __forceinline__ void store_partials(const megart_params_attention_dec
     }
     __syncthreads();
   }
-  if (kAttnDirect && p.part_o == nullptr) {  // the direct form: one chunk holds every position, so o / l is the output itself
+  if (kOneHead || (kAttnDirect && p.part_o == nullptr)) {  // the direct form: one chunk holds every position, so o / l is the output itself
+    // (the switch: q head cidx's outputs, from this instance's claim at cidx * group * HD / nchunks: out_claim)
+    const int at = kOneHead ? p.cidx * HD - p.cidx * p.group * HD / p.nchunks : 0;
 #pragma unroll
     for (int k = 0; k < OUTS; ++k) {
       const int idx = tid + k * NT;
       if (idx < G * HD) {
         const __nv_bfloat16 v = __float2bfloat16_rn(rl[k] > 0.f ? ro[k] / rl[k] : 0.f);
-        if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out), idx, v);
-        else p.out[idx] = v;
+        if (p.tagged_out) megart::st_tagged(reinterpret_cast<unsigned*>(p.out) + at, idx, v);
+        else p.out[at + idx] = v;
       }
     }
     return;
@@ -250,14 +253,16 @@ template <int G>
 struct Width {
   static constexpr int value = G;
 };
+// Whether the kernel compiles the bodies of head size HD.
+template <int HD>
+#ifdef MEGART_ATTN_HD_ONLY
+constexpr bool kHdOn = HD == MEGART_ATTN_HD_ONLY;
+#else
+constexpr bool kHdOn = true;
+#endif
 template <int HD, class Body>
 __device__ __forceinline__ void for_width(int group, Body body) {
-#ifdef MEGART_ATTN_HD_ONLY
-  constexpr bool kHdOn = HD == MEGART_ATTN_HD_ONLY;
-#else
-  constexpr bool kHdOn = true;
-#endif
-  if constexpr (kHdOn) switch (group) {
+  if constexpr (kHdOn<HD>) switch (group) {
 #define MEGART_ATTN_WIDTH_CASE(G)                               \
   case G:                                                       \
     if constexpr ((MEGART_ATTN_GROUP_MASK >> G) & 1) body(Width<G>{}); \
@@ -279,6 +284,19 @@ struct DecodeBody {
     attention_decode_body<HD, G>(p, smem, lo, hi);
   }
 };
+
+// The switch (an instance with direct_upto > 0: the fused form, MEGART_ATTN_SWITCH): while kv_len <= direct_upto the
+// call runs as the direct form. Chunk c < group of each kv head attends every position for q head c alone (width 1)
+// and writes that head's output itself, o / l: no partials, no arrival, no merge; the other chunks have nothing to
+// do. One hop instead of chunks and a merge is shorter where the context is short (tasks/attention.py).
+template <int HD>
+__device__ __forceinline__ void attend_one_head(const megart_params_attention_decode& p, char* smem, int kv_len) {
+  attention_decode_body<HD, 1, true>(p, smem, 0, kv_len);
+}
+#ifndef MEGART_ATTN_SWITCH
+#define MEGART_ATTN_SWITCH 0
+#endif
+constexpr bool kAttnSwitch = MEGART_ATTN_SWITCH != 0;
 
 #if MEGART_STREAM_SLOTS > 0 && defined(MEGART_STREAM_KV) && MEGART_STREAM_KV != 0
 // ---- K/V through the weight stream (csrc/weight_stream.cuh's "kv" stage format) ------------------------
@@ -436,6 +454,19 @@ struct StreamBody {
 __device__ __forceinline__ void megart_task_attention_decode(const megart_params_attention_decode& p, char* smem) {
   namespace at = megart_attn;
   const int pos = at::ld_in_i32(p.pos);
+  if constexpr (at::kAttnSwitch) {  // (the splitter gives such instances no pos_stamp: never streamed)
+    const int kv_len = at::kv_length(p, pos);
+    if (p.direct_upto > 0 && kv_len <= p.direct_upto) {
+      if (p.cidx < p.group) {
+        if (p.hd == 64) {
+          if constexpr (at::kHdOn<64>) at::attend_one_head<64>(p, smem, kv_len);
+        } else if (p.hd == 128) {
+          if constexpr (at::kHdOn<128>) at::attend_one_head<128>(p, smem, kv_len);
+        }
+      }
+      return;
+    }
+  }
   int lo, hi;
   at::chunk_range(p, pos, lo, hi);
   // p.group <= 8: the splitter gives a larger GQA group several instances per kv head (for_width).

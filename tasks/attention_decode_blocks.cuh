@@ -350,10 +350,11 @@ __device__ __forceinline__ void poll_tagged_inputs(const P& p, char* smem, int t
   __syncthreads();
 }
 
-// Lane `sub`'s VEC values of each of the G q heads, scaled for the base-2 softmax, and the empty softmax state.
+// Lane `sub`'s VEC values of each of the G q heads (from q_off elements into q), scaled for the base-2 softmax, and
+// the empty softmax state.
 template <int HD, int G, int VEC, class P>
 __device__ __forceinline__ void load_q(const P& p, bool tnew, int sub, float (&q)[G][VEC], float (&m)[G],
-                                       float (&l)[G], float (&o)[G][VEC]) {
+                                       float (&l)[G], float (&o)[G][VEC], int q_off = 0) {
   constexpr float NEG = -3.402823466e38f;  // finite "minus infinity" keeps exp2(m_old - m_new) NaN-free
   const float qscale = p.scale * kLog2e;
   if (tnew) {  // q's tagged words, known to carry this step's tag (polled before)
@@ -362,7 +363,7 @@ __device__ __forceinline__ void load_q(const P& p, bool tnew, int sub, float (&q
     for (int g = 0; g < G; ++g) ld_tagged_values<VEC>(qw + g * HD, q[g]);
   } else {
 #pragma unroll
-    for (int g = 0; g < G; ++g) unpack_kvec<VEC>(ld_kvec<VEC>(p.q + g * HD + sub * VEC), q[g]);
+    for (int g = 0; g < G; ++g) unpack_kvec<VEC>(ld_kvec<VEC>(p.q + q_off + g * HD + sub * VEC), q[g]);
   }
 #pragma unroll
   for (int g = 0; g < G; ++g) {

@@ -182,6 +182,12 @@ def test_full_size_graph_compiles_without_spills(name):
     # attention's K/V ring: 32 KB where its chunks are short (llama.attention_ring_default), else 64 KB
     short = name in ("1b", "1b_fp8", "1b_fp8_split")
     assert m.attn_ring_short == short
+    # attention's switch to the direct form at short contexts, except where its second body spilled the stream
+    # build (1b_fp8_split: compile() builds without it) and for GQA groups under 4 (3b, qwen3_0.6b)
+    on = name not in ("1b_fp8_split", "3b", "qwen3_0.6b")
+    switch = {i.params["direct_upto"] for i in m.pk.graph.instances if i.type.name == "attention_decode"}
+    assert switch == ({min(llama.ATTN_DIRECT_UPTO, cfg.max_seq)} if on else {0}), switch
+    assert ("#define MEGART_ATTN_SWITCH 1\n" in m.pk.source.text) == on
     if lay.slots:
         assert f"#define MEGART_ATTN_RING_BYTES {32 << 10 if short else 64 << 10}\n" in m.pk.source.text
     if name in ("1b", "1b_fp8", "1b_fp8_split", "1b_fp8_all", "block8b"):

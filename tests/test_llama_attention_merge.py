@@ -83,14 +83,18 @@ def test_the_direct_form_gives_the_fused_merge_bits_over_one_chunk(width):
 
 
 def test_the_direct_form_compiles_only_its_own_paths():
-    """The direct kernel compiles its width's body and no fused merge; the default kernel neither the direct store."""
+    """The direct kernel compiles its width's body and no fused merge; the fused kernel neither the direct store nor
+    the switch; the default ("auto") kernel the fused merge and the switch's one-head body, not the direct store."""
     cfg = llama.tiny()
     prefix = llama.make_kv_cache(cfg, 1)
     direct = _model(cfg, prefix, attn_merge="direct", compile=False)
-    fused = _model(cfg, prefix, compile=False)
-    dm, fm = direct.pk.kernel_config().defines, fused.pk.kernel_config().defines
+    fused = _model(cfg, prefix, attn_merge="fused", compile=False)
+    auto = _model(cfg, prefix, compile=False)
+    dm, fm, am = (m.pk.kernel_config().defines for m in (direct, fused, auto))
     assert dm["MEGART_ATTN_DIRECT"] == 1 and dm["MEGART_ATTN_FUSED_MERGE"] == 0 and dm["MEGART_ATTN_GROUP_MASK"] == "0x2"
-    assert "MEGART_ATTN_DIRECT" not in fm and fm["MEGART_ATTN_FUSED_MERGE"] == 1
+    assert "MEGART_ATTN_DIRECT" not in fm and fm["MEGART_ATTN_FUSED_MERGE"] == 1 and "MEGART_ATTN_SWITCH" not in fm
+    assert "MEGART_ATTN_DIRECT" not in am and am["MEGART_ATTN_FUSED_MERGE"] == 1 and am["MEGART_ATTN_SWITCH"] == 1
+    assert auto.direct_upto_auto and not fused.direct_upto_auto
 
 
 def test_the_direct_forms_width_is_checked_before_anything_is_built():
@@ -107,3 +111,34 @@ def test_the_direct_forms_width_is_checked_before_anything_is_built():
                             compile=False)
     att = [i for i in wide.pk.graph.instances if i.type.name == "attention_decode"]
     assert {i.params["group"] for i in att} == {cfg.group} and len(att) == cfg.layers * cfg.n_kv
+
+
+def _host_steps(m, steps=2):
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in hostsim.run(m.pk, steps=steps).items()}
+
+
+@pytest.mark.parametrize("upto,other", [(64, "direct"), (40, "fused")])
+def test_the_switch_runs_the_direct_form_up_to_its_length_and_the_chunks_past_it(upto, other):
+    """attn_merge="auto" with tiles["attn_direct_upto"]: two tiny decode steps (kv_len 41 and 42) with the CUDA bodies
+    run on the host. At kv_len <= direct_upto chunk c < group of each kv head attends q head c over the whole context
+    and writes its output: every tensor equals the direct form's (width 1); past it the chunks and their fused merge
+    run: every tensor equals the fused form's. Either way every arrival counter is back to 0."""
+    cfg = llama.tiny()
+    prefix = llama.make_kv_cache(cfg, 1)
+    slots = {"MEGART_STREAM_SLOTS": 0}
+    short = {"attn_min_chunk": 8}   # (several chunks hold positions: the fused merge's bits differ from one chunk's)
+    switch = _model(cfg, prefix, tiles={"attn_direct_upto": upto, **short}, defines=slots)
+    att = [i for i in switch.pk.graph.instances if i.type.name == "attention_decode"]
+    assert switch.merge_fused and switch.chunks >= cfg.group and {i.params["direct_upto"] for i in att} == {upto}
+    refs = {"direct": _model(cfg, prefix, attn_merge="direct", tiles={"attn_width": 1}, defines=slots),
+            "fused": _model(cfg, prefix, attn_merge="fused", tiles=short, defines=slots)}
+    a, b = _host_steps(switch), _host_steps(refs[other])
+    shared = a.keys() & b.keys()
+    assert {k for k in shared if k.endswith("attn")} == {f"L{l}.attn" for l in range(cfg.layers)}
+    # which form ran: the chunks write their partials (fp32; the bf16 outputs of both forms mostly round alike)
+    partials = [k for k in a if k.endswith("part_o")]
+    assert len(partials) == cfg.layers and all(a[k].any() == (other == "fused") for k in partials)
+    for k in shared:
+        assert torch.equal(a[k], b[k]), k
+    assert not any(a[k].any() for k in a if k.endswith("arrivals"))

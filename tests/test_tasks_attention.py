@@ -85,10 +85,12 @@ def build_qkv(pk, sh, max_seq, pos, seed=0, norm=True, kv_refs="strict", tiles=N
     return t, dict(k0=k, v0=v, ref=ref, w=w, x=x, nw=nwt if norm else None, cos=cs, sin=sn)
 
 
-def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu", merge="call", min_chunk=0, width=None):
+def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu", merge="call", min_chunk=0, width=None,
+                    direct_upto=0):
     """attention_decode then its merge: attention_merge (merge="call") or the fused form (merge="fused":
-    out and arrivals given to attention_decode, the last chunk of each kv head merges), or none (merge="direct":
-    out alone, one chunk per kv head, instances of `width` q heads write it; no partials)."""
+    out and arrivals given to attention_decode, the last chunk of each kv head merges; with direct_upto, the
+    switch to the direct form at kv_len <= direct_upto), or none (merge="direct": out alone, one chunk per kv
+    head, instances of `width` q heads write it; no partials)."""
     n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
     if merge == "direct":
         t["out"] = pk.tensor(torch.zeros(n_q * hd, dtype=torch.bfloat16, device=dev), "out")
@@ -102,7 +104,7 @@ def build_attention(pk, t, sh, max_seq, chunk=0, tiles=1, dev="cpu", merge="call
     fused = {}
     if merge == "fused":
         t["arrivals"] = pk.tensor(torch.zeros(n_kv, dtype=torch.int32, device=dev), "arrivals")
-        fused = dict(out=t["out"], arrivals=t["arrivals"])
+        fused = dict(out=t["out"], arrivals=t["arrivals"], direct_upto=direct_upto)
     pk.task("attention_decode", q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], part_o=t["po"],
             part_ml=t["pm"], n_q=n_q, n_kv=n_kv, hd=hd, chunk=chunk, tiles=tiles, min_chunk=min_chunk, **fused)
     if merge == "call":
@@ -243,14 +245,15 @@ def test_decode_chain(hd, pos):
 
 # --- the CUDA bodies themselves, on the host (megart.emulate.hostsim: TaskType.hostsim) ---------------------
 
-def _chain_on_the_host(hd, pos, overrides=None, merge="call", defines=None, min_chunk=0, width=None, **pk_kw):
+def _chain_on_the_host(hd, pos, overrides=None, merge="call", defines=None, min_chunk=0, width=None, direct_upto=0,
+                       **pk_kw):
     sh, ms = SHAPES[hd], 2048
     # (only the attention body this shape runs is compiled, as the models do: the host compile is the slow part)
     group = sh["n_q"] // sh["n_kv"]
     defines = {**body_defines(hd, group, width or ATTN_SUBGROUP), **(defines or {})}
     pk = megart.PersistentKernel(nw=NW, device="cpu", source_overrides=overrides or {}, defines=defines, **pk_kw)
     t, r = build_qkv(pk, sh, ms, pos, seed=pos)
-    build_attention(pk, t, sh, ms, merge=merge, min_chunk=min_chunk, width=width)
+    build_attention(pk, t, sh, ms, merge=merge, min_chunk=min_chunk, width=width, direct_upto=direct_upto)
     compiled(pk)
     emu = {k: v.clone() for k, v in pk.emulate().items()}
     q_ref, k_ref, v_ref = r["ref"]
@@ -399,6 +402,55 @@ def test_direct_form_writes_the_output_itself(hd, width):
     att = [i for i in pk.graph.instances if i.type.name == "attention_decode"]
     assert len(att) == SHAPES[hd]["n_q"] // width and {i.params["group"] for i in att} == {width}
     assert "part_o" not in pk.graph.tensors and len({g.label for g in pk.graph.groups}) == 2
+
+
+@pytest.mark.parametrize("hd,upto", [(64, 101), (128, 101), (64, 100)], ids=["hd64", "hd128", "hd64-past-it"])
+def test_the_switch_runs_the_direct_form_up_to_its_length(hd, upto):
+    """The fused form with direct_upto (kv_len 101 here): at kv_len <= direct_upto chunk c < group of each kv head
+    attends q head c over the whole context and writes its output, so no chunk writes partials and no counter
+    moves; past it (direct_upto 100) the chunks and their merge run. Either way the host-run bodies and the
+    emulator match the fp32 chain."""
+    from megart.emulate import hostsim
+    pos = 100
+    pk, emu, q_ref, out_ref = _chain_on_the_host(hd, pos, merge="fused", direct_upto=upto,
+                                                 defines=_merge_shape(hd))
+    dev = hostsim.run(pk, seed=3)
+    switched = pos + 1 <= upto
+    for name, run in (("host-run bodies", dev), ("emulator", emu)):
+        check(run["out"], out_ref, TOL_ATTN, f"switch at {upto}: attention out ({name})")
+        written = bool(run["part_o"].isfinite().all() and run["part_o"].any())   # (the host run poisons outputs: NaN)
+        assert written != switched, name
+        assert not run["arrivals"].any(), name
+    att = [i for i in pk.graph.instances if i.type.name == "attention_decode"]
+    assert {i.params["direct_upto"] for i in att} == {upto} and len(att) >= SHAPES[hd]["n_q"]
+
+
+def test_switch_refusals():
+    sh, ms = SHAPES[64], 2048
+    pk, t, _, C = attention_only(sh, ms, 100, nw=NW)
+    n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
+    out = pk.tensor(torch.zeros(n_q * hd, dtype=torch.bfloat16), "out2")
+    arr = pk.tensor(torch.zeros(n_kv, dtype=torch.int32), "arr")
+    base = dict(q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], part_o=t["po"], part_ml=t["pm"],
+                n_q=n_q, n_kv=n_kv, hd=hd)
+    for bad in (-1, True, 1.5, "64"):
+        _raises(lambda: pk.task("attention_decode", **base, out=out, arrivals=arr, direct_upto=bad),
+                "direct_upto must be an integer")
+    _raises(lambda: pk.task("attention_decode", **base, direct_upto=64), "needs the fused form")
+    _raises(lambda: pk.task("attention_decode", **{k: v for k, v in base.items() if k not in ("part_o", "part_ml")},
+                            out=out, direct_upto=64), "applies to the fused form")
+    few = megart.PersistentKernel(nw=8, device="cpu")   # one chunk per kv head: fewer than its 4 q heads
+    q, k, v = attention_m1(n_q, n_kv, hd, 100, 128)
+    po, pm = attention_scratch(n_q, n_kv, hd, 1)
+    T = lambda a, name: few.tensor(a, name)  # noqa: E731
+    _raises(lambda: few.task("attention_decode", q=T(q, "q"), k_cache=T(k, "k"), v_cache=T(v, "v"),
+                             pos=T(torch.tensor([99], dtype=torch.int32), "p"), part_o=T(po, "po"), part_ml=T(pm, "pm"),
+                             n_q=n_q, n_kv=n_kv, hd=hd, chunks=1, out=T(torch.zeros(n_q * hd, dtype=torch.bfloat16), "o"),
+                             arrivals=T(torch.zeros(n_kv, dtype=torch.int32), "a"), direct_upto=64), "there are 1 chunks")
+    from megart import tagged as tagged_words
+    stamp = pk.tensor(tagged_words.empty(1, "cpu"), "stamp", tagged=True)
+    _raises(lambda: pk.task("attention_decode", **base, out=out, arrivals=arr, direct_upto=64, pos_stamp=stamp),
+            "leave pos_stamp out")
 
 
 def test_direct_form_refusals():

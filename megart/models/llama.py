@@ -76,6 +76,12 @@ def default_threads(cfg: LlamaConfig) -> int:
 # and the merge reads three (1b_128 797 -> ~789 us/step; at 2k every chunk is longer than 64 anyway).
 # bench/RESULTS.md, twenty-sixth session.
 ATTN_MIN_CHUNK = 64
+# attention's switch to the direct form (tiles["attn_direct_upto"]): while the context holds at most this many
+# positions, chunk c < group of each kv head attends q head c over the whole context and writes its output, with
+# no partials and no merge; past it the chunks and their fused merge run. The 1B step on the H200, the direct form
+# against the chunks: -29 us at 128 positions, -25 at 256, -16 at 384, -6 to -9 at 512, +2 at 640, +13 at 768; with
+# the switch at 128 positions 720.8 against 748.8 us, at 2k level (bench/RESULTS.md, thirty-second session).
+ATTN_DIRECT_UPTO = 576
 
 
 def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
@@ -88,6 +94,7 @@ def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
         attn_chunks=max(1, nw // cfg.n_kv),
         attn_min_chunk=min(ATTN_MIN_CHUNK, cfg.max_seq),
         attn_width=min(DIRECT_WIDTH, cfg.group),   # q heads per attention instance of the direct form
+        attn_direct_upto=None,   # None: ATTN_DIRECT_UPTO where the fused call can switch (LlamaModel._direct_upto)
         merge=min(cfg.n_q, nw),
         o=nw,
         gate_up=nw,
@@ -216,6 +223,7 @@ class LlamaModel:
     """
 
     stream_slots_default = STREAM_DEFAULT   # MEGART_STREAM_SLOTS when the caller leaves it unset
+    direct_upto_default = ATTN_DIRECT_UPTO  # tiles["attn_direct_upto"] when the caller leaves it unset
     short_attn_ring_default = True          # attention_ring_default applies (the tensor-parallel ranks: not measured)
     # the vectors between the weight-bound calls are tagged words, polled by their readers: on the H200 the
     # 1B step measured 922.5 / 923.2 us against 944.4 / 940.4 with event waits (bench/RESULTS.md)
@@ -284,6 +292,7 @@ class LlamaModel:
             **merge_shape_defines(cfg, self.chunks), **merge_active_default(cfg, self.chunks, self.tiles["attn_min_chunk"])}
         self.pk.defines = {**self.pk.defines, **check_defines({**ring, **merge}), **check_defines(defines or {})}
         self.attn_ring_short = bool(ring)   # (compile() drops it where it would not build clean)
+        self.direct_upto_auto = False       # (set by _build where the switch is the default; compile() may drop it)
         self._build()
         self._host = None
         self._pos_next_host = cfg.prefill      # what pos_next holds on the device (tracked, never read back)
@@ -449,13 +458,35 @@ class LlamaModel:
                            q=q, k_cache=kct, v_cache=vct, pos=pos, part_o=po, part_ml=pm, n_q=c.n_q,
                            n_kv=c.n_kv, hd=c.hd, max_seq=c.max_seq, chunks=self.chunks,
                            min_chunk=self.tiles["attn_min_chunk"], tiles=self.chunks * c.n_kv,
-                           pos_stamp=self._stamp, **fused, **new)
+                           pos_stamp=self._stamp, direct_upto=self._direct_upto(), **fused, **new)
         self._attn_calls.append((g_att, dict(k_cache=kct, v_cache=vct, **new)))
         if self.merge_fused:
             return a, g_att
         g_mrg = self._task(p + "merge", "attention_merge", [g_att], out=a, part_o=po, part_ml=pm,
                            n_q=c.n_q, n_kv=c.n_kv, hd=c.hd, chunks=self.chunks, tiles=tl["merge"])
         return a, g_mrg
+
+    def _direct_upto(self) -> int:
+        """The fused attention call's switch to the direct form at short contexts: tiles["attn_direct_upto"] as
+        given (0: off), else, for attn_merge="auto", direct_upto_default where the call can take it (a fused merge,
+        a chunk per q head, the caches read by the body: not tagged_attn, not K/V through the stream)."""
+        upto = self.tiles["attn_direct_upto"]
+        if upto is not None:
+            return upto
+        # (groups under 4: their attention body spills the stream build already, which "auto" declines; the
+        # switch is not measured there)
+        fits = (self.attn_merge == "auto" and self.merge_fused and not self.tagged_attn and self._stamp is None
+                and 4 <= self.cfg.group <= self.chunks)
+        upto = min(self.direct_upto_default, self.cfg.max_seq) if fits else 0
+        self.direct_upto_auto = upto > 0   # (compile() may take it back)
+        return upto
+
+    def _set_direct_upto(self, upto: int) -> None:
+        """Every attention instance's switch length (compile()'s fallback: 0, the chunks at every length)."""
+        for inst in self.pk.graph.instances:
+            if inst.type.name == "attention_decode" and inst.params.get("part_o") is not None:
+                inst.params["direct_upto"] = upto
+        self.direct_upto_auto = False
 
     def _gemv(self, key, L, name, *, y, x, residual, after, tiles, fp8):
         p = key.rsplit(".", 1)[0] + "."
@@ -488,6 +519,12 @@ class LlamaModel:
     # --- compile / run ------------------------------------------------------------------------------
     def compile(self) -> "LlamaModel":
         self.pk.compile()
+        if self.direct_upto_auto and (self.pk.stream_declined or self.pk.stream_shallower is not None):
+            # the switch compiles a second attention body (one q head) beside the chunks' and their merge, which can
+            # tip a kernel at the edge of its registers into a spill (1b_fp8_split: 36 bytes, so no stream): there
+            # the weight stream is worth more than the switch
+            self._set_direct_upto(0)
+            self.pk.compile()
         if self.attn_ring_short and (self.pk.stream_declined or self.pk.stream_shallower is not None):
             # the 32 KB attention ring is there to buy a deeper weight ring; where that build spilled or did
             # not fit, the default ring (and the stream "auto" sizes beside it) is the better kernel

@@ -119,6 +119,7 @@ class LlamaTPRank(LlamaModel):
     # step measured 2,960.0 us with it against 3,118.5 with registers (bench/RESULTS.md)
     stream_slots_default = LlamaModel.stream_slots_default
     short_attn_ring_default = False   # (attention's 32 KB ring for short chunks was measured on one GPU only)
+    direct_upto_default = 0           # (so was attention's switch to the direct form at short contexts)
     # (a rank's graph adds its vectors as plain bf16 tensors and sums partials into them: not tagged yet)
     tagged_default = False
     # each launch waits for the previous one: overlapped launches (LlamaModel.overlap_steps) have not run on two

@@ -263,3 +263,44 @@ def test_direct_attention_gives_the_one_chunk_merge_bits():
     for (a, ta), (b, tb) in zip(runs["direct"][0], runs["one_chunk"][0]):
         assert ta == tb and torch.equal(a, b)
     assert all(torch.equal(a, b) for a, b in zip(runs["direct"][1], runs["one_chunk"][1]))
+
+
+def test_the_switch_gives_the_direct_forms_bits_then_the_chunks():
+    """The default attention call switches to the direct form while kv_len <= tiles["attn_direct_upto"]: at a
+    128-token context its logits, tokens and appended K/V rows are bit-identical to attn_merge="direct" (width 1,
+    the same one-head body). A switch length two steps in (the chunks and their fused merge from the third step
+    on) stays within the 1B gate of the reference at every step, and the chunks wrote partials only then."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.cuda.empty_cache()
+    cfg = llama.config("1b_128")
+    W = llama.make_weights(cfg, 0, torch.device("cuda"))
+    prefix = llama.make_kv_cache(cfg, 1, torch.device("cuda"))
+    runs = {}
+    for name, kw in (("switch", {}), ("direct", dict(attn_merge="direct")),
+                     ("crossing", dict(tiles={"attn_direct_upto": cfg.prefill + 2}))):
+        m = llama.LlamaModel(cfg, W, llama.clone_kv(prefix), device="cuda", **kw)
+        assert m.pk.stream_layout().slots == 6, name
+        ref = Reference(cfg, W, prefix)
+        token, outs, wrote = 3, [], []
+        for s in range(4):
+            if m.part_o is not None:
+                for t in m.part_o:
+                    t.zero_()
+            logits, tok = m.step(token if s == 0 else None, cfg.prefill if s == 0 else None)
+            m.sync()
+            err = llama.relerr(logits, ref.step(token, cfg.prefill + s))
+            assert err <= TOL["1b"], f"{name} step {s}: relerr {err:.4f}"
+            outs.append((logits.clone(), int(tok)))
+            wrote.append(m.part_o is not None and bool(m.part_o[0].any()))
+            token = int(tok)
+        runs[name] = outs, [t.clone() for pair in m.kv for t in pair]
+        if name == "switch":
+            assert wrote == [False] * 4
+        if name == "crossing":
+            assert wrote == [False, False, True, True]
+        del m
+        torch.cuda.empty_cache()
+    for (a, ta), (b, tb) in zip(runs["switch"][0], runs["direct"][0]):
+        assert ta == tb and torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(runs["switch"][1], runs["direct"][1]))
