@@ -162,10 +162,17 @@ def test_fp8_weights_quantised_on_load(tmp_path):
     assert m.weights.layers[0]["wo"].dtype == torch.float8_e4m3fn
     ids = torch.arange(3, 15)
     ref = Reference(m.cfg, m.weights, [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in m.kv])
+    # The emulated kernel runs every fp8 linear in the reference's order (s * (W8 x)), so it is bit-exact until an
+    # fp32 summation-order difference in the chunked attention flips a bf16 rounding, as in
+    # test_prefill_agrees_with_decode; where that falls depends on the CPU's BLAS kernels. Measured on this
+    # checkpoint at step 11: one flip in layer 0's attention, 5.6e-4 (the machine of 5967657); two, 4.5e-3 (an AMD
+    # EPYC, AVX2). Dropping a feature (D): the last layer skipped 0.91, the residual dropped 1.5.
+    worst = 0.0
     for s in range(12):
         logits, _ = m.step(int(ids[s]), pos=s)
         r = ref.step(int(ids[s]), s)
-    assert relerr(logits, r) < 2e-3
+        worst = max(worst, relerr(logits, r))
+    assert worst < 1e-2
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     with torch.no_grad():
         want = hf(ids[None]).logits[0, -1]

@@ -285,8 +285,10 @@ def test_merge_macros_follow_the_shape_and_the_context():
 
 def test_short_attention_ring_falls_back_when_its_build_is_not_clean(monkeypatch):
     """Where the build beside the 32 KB ring spills (the stream declined) or does not fit (one slot shallower),
-    compile() drops the short ring and builds the default one."""
-    m = llama.LlamaModel(llama.config("1b"), device="cpu", init="empty", nw=132, compile=False)
+    compile() drops the short ring and builds the default one. (Attention's switch off: its own fallback comes
+    first, below.)"""
+    m = llama.LlamaModel(llama.config("1b"), device="cpu", init="empty", nw=132, compile=False,
+                         tiles={"attn_direct_upto": 0})
     assert m.attn_ring_short and m.pk.defines["MEGART_ATTN_RING_BYTES"] == str(32 << 10)
     seen = []
 
@@ -298,6 +300,36 @@ def test_short_attention_ring_falls_back_when_its_build_is_not_clean(monkeypatch
     m.compile()
     assert len(seen) == 2 and "MEGART_ATTN_RING_BYTES" in seen[0] and "MEGART_ATTN_RING_BYTES" not in seen[1]
     assert not m.attn_ring_short
+
+
+@pytest.mark.parametrize("lost", ["declined", "shallower"])
+def test_the_switch_falls_back_first_when_its_build_loses_the_stream(monkeypatch, lost):
+    """Where the build with attention's switch (a second attention body) spills or does not fit, compile() builds
+    without the switch (direct_upto 0 on every attention instance) and keeps the 32 KB ring; if that build loses
+    the stream too, the ring goes next. A switch the caller asked for is kept."""
+    def compiles(m, losing):
+        seen = []
+
+        def fake_compile(verify=True):
+            seen.append(({i.params["direct_upto"] for i in m.pk.graph.instances
+                          if i.type.name == "attention_decode"}, "MEGART_ATTN_RING_BYTES" in m.pk.defines))
+            bad = len(seen) <= losing
+            m.pk.stream_declined = "the stream build spilled 8 bytes" if bad and lost == "declined" else None
+            m.pk.stream_shallower = 5 if bad and lost == "shallower" else None
+            return m.pk
+        monkeypatch.setattr(m.pk, "compile", fake_compile)
+        m.compile()
+        return seen
+    build = lambda **kw: llama.LlamaModel(llama.config("1b"), device="cpu", init="empty", nw=132,  # noqa: E731
+                                          compile=False, **kw)
+    upto = llama.ATTN_DIRECT_UPTO
+    m = build()
+    assert m.direct_upto_auto and compiles(m, 1) == [({upto}, True), ({0}, True)]
+    assert not m.direct_upto_auto and m.attn_ring_short
+    m = build()
+    assert compiles(m, 2) == [({upto}, True), ({0}, True), ({0}, False)] and not m.attn_ring_short
+    m = build(tiles={"attn_direct_upto": 300})
+    assert not m.direct_upto_auto and compiles(m, 1) == [({300}, True), ({300}, False)]
 
 
 def test_call_index_and_breakdown_cover_every_instance():

@@ -89,12 +89,14 @@ def test_the_direct_form_compiles_only_its_own_paths():
     prefix = llama.make_kv_cache(cfg, 1)
     direct = _model(cfg, prefix, attn_merge="direct", compile=False)
     fused = _model(cfg, prefix, attn_merge="fused", compile=False)
-    auto = _model(cfg, prefix, compile=False)
-    dm, fm, am = (m.pk.kernel_config().defines for m in (direct, fused, auto))
+    g4 = cfg.with_(name="tiny_g4", n_q=8, n_kv=2)   # (the switch is the default from a GQA group of 4)
+    auto, auto_g2 = _model(g4, llama.make_kv_cache(g4, 1), compile=False), _model(cfg, prefix, compile=False)
+    dm, fm, am, a2 = (m.pk.kernel_config().defines for m in (direct, fused, auto, auto_g2))
     assert dm["MEGART_ATTN_DIRECT"] == 1 and dm["MEGART_ATTN_FUSED_MERGE"] == 0 and dm["MEGART_ATTN_GROUP_MASK"] == "0x2"
     assert "MEGART_ATTN_DIRECT" not in fm and fm["MEGART_ATTN_FUSED_MERGE"] == 1 and "MEGART_ATTN_SWITCH" not in fm
     assert "MEGART_ATTN_DIRECT" not in am and am["MEGART_ATTN_FUSED_MERGE"] == 1 and am["MEGART_ATTN_SWITCH"] == 1
-    assert auto.direct_upto_auto and not fused.direct_upto_auto
+    assert "MEGART_ATTN_SWITCH" not in a2
+    assert auto.direct_upto_auto and not fused.direct_upto_auto and not auto_g2.direct_upto_auto
 
 
 def test_the_direct_forms_width_is_checked_before_anything_is_built():
