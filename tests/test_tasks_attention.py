@@ -364,7 +364,9 @@ def test_fused_merge_orders_readers_after_every_chunk():
     assert pk2.graph.sync_tensors() == [t2["arrivals"]]
 
 
-def test_fused_merge_refusals():
+def _fused_inputs():
+    """An attention graph of the hd-64 shape and the arguments of a second attention_decode over its tensors:
+    (pk, its tensors, the partials' arguments, an out of n_q * hd, arrivals of n_kv counters)."""
     sh, ms = SHAPES[64], 2048
     pk, t, _, C = attention_only(sh, ms, 100, nw=NW)
     n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
@@ -372,6 +374,12 @@ def test_fused_merge_refusals():
     arr = pk.tensor(torch.zeros(n_kv, dtype=torch.int32), "arr")
     base = dict(q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], part_o=t["po"], part_ml=t["pm"],
                 n_q=n_q, n_kv=n_kv, hd=hd)
+    return pk, t, base, out, arr
+
+
+def test_fused_merge_refusals():
+    pk, t, base, out, arr = _fused_inputs()
+    n_kv, hd = base["n_kv"], base["hd"]
     _raises(lambda: pk.task("attention_decode", **base, arrivals=arr), "arrivals needs out")
     _raises(lambda: pk.task("attention_decode", **base, out=out), "writes no partials")
     _raises(lambda: pk.task("attention_decode", **base, out=out, arrivals=arr.ref(0, n_kv - 1)),
@@ -426,13 +434,8 @@ def test_the_switch_runs_the_direct_form_up_to_its_length(hd, upto):
 
 
 def test_switch_refusals():
-    sh, ms = SHAPES[64], 2048
-    pk, t, _, C = attention_only(sh, ms, 100, nw=NW)
-    n_q, n_kv, hd = sh["n_q"], sh["n_kv"], sh["hd"]
-    out = pk.tensor(torch.zeros(n_q * hd, dtype=torch.bfloat16), "out2")
-    arr = pk.tensor(torch.zeros(n_kv, dtype=torch.int32), "arr")
-    base = dict(q=t["q"], k_cache=t["k"], v_cache=t["v"], pos=t["pos"], part_o=t["po"], part_ml=t["pm"],
-                n_q=n_q, n_kv=n_kv, hd=hd)
+    pk, t, base, out, arr = _fused_inputs()
+    n_q, n_kv, hd = base["n_q"], base["n_kv"], base["hd"]
     for bad in (-1, True, 1.5, "64"):
         _raises(lambda: pk.task("attention_decode", **base, out=out, arrivals=arr, direct_upto=bad),
                 "direct_upto must be an integer")

@@ -232,16 +232,20 @@ def test_error_budget_E_and_D(name):
     assert min(worst["D_skip_last_layer"], worst["D_no_residual"]) > 3 * TOL[name]
 
 
-def test_direct_attention_gives_the_one_chunk_merge_bits():
-    """attn_merge="direct" (one instance per q head over the whole context, no partials) at a 128-token context:
-    within the 1B gate of the reference at every step, and the logits, tokens and appended K/V rows bit-identical
-    to the fused merge over one chunk per kv head (the same arithmetic: o / l)."""
+def _model_1b_128():
+    """The 128-token 1B config, its weights and KV prefix on the GPU (skips without one)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     torch.cuda.empty_cache()
     cfg = llama.config("1b_128")
-    W = llama.make_weights(cfg, 0, torch.device("cuda"))
-    prefix = llama.make_kv_cache(cfg, 1, torch.device("cuda"))
+    return cfg, llama.make_weights(cfg, 0, torch.device("cuda")), llama.make_kv_cache(cfg, 1, torch.device("cuda"))
+
+
+def test_direct_attention_gives_the_one_chunk_merge_bits():
+    """attn_merge="direct" (one instance per q head over the whole context, no partials) at a 128-token context:
+    within the 1B gate of the reference at every step, and the logits, tokens and appended K/V rows bit-identical
+    to the fused merge over one chunk per kv head (the same arithmetic: o / l)."""
+    cfg, W, prefix = _model_1b_128()
     runs = {}
     one_chunk = dict(tiles={"attn_chunks": 1}, defines={"MEGART_ATTN_RING_BYTES": 32768})   # (the direct form's ring)
     for name, kw in (("direct", dict(attn_merge="direct")), ("one_chunk", one_chunk)):
@@ -270,12 +274,7 @@ def test_the_switch_gives_the_direct_forms_bits_then_the_chunks():
     128-token context its logits, tokens and appended K/V rows are bit-identical to attn_merge="direct" (width 1,
     the same one-head body). A switch length two steps in (the chunks and their fused merge from the third step
     on) stays within the 1B gate of the reference at every step, and the chunks wrote partials only then."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    torch.cuda.empty_cache()
-    cfg = llama.config("1b_128")
-    W = llama.make_weights(cfg, 0, torch.device("cuda"))
-    prefix = llama.make_kv_cache(cfg, 1, torch.device("cuda"))
+    cfg, W, prefix = _model_1b_128()
     runs = {}
     for name, kw in (("switch", {}), ("direct", dict(attn_merge="direct")),
                      ("crossing", dict(tiles={"attn_direct_upto": cfg.prefill + 2}))):
