@@ -285,14 +285,7 @@ struct DecodeBody {
   }
 };
 
-// The switch (an instance with direct_upto > 0: the fused form, MEGART_ATTN_SWITCH): while kv_len <= direct_upto the
-// call runs as the direct form. Chunk c < group of each kv head attends every position for q head c alone (width 1)
-// and writes that head's output itself, o / l: no partials, no arrival, no merge; the other chunks have nothing to
-// do. One hop instead of chunks and a merge is shorter where the context is short (tasks/attention.py).
-template <int HD>
-__device__ __forceinline__ void attend_one_head(const megart_params_attention_decode& p, char* smem, int kv_len) {
-  attention_decode_body<HD, 1, true>(p, smem, 0, kv_len);
-}
+// The switch (an instance with direct_upto > 0: the fused form; megart_task_attention_decode below).
 #ifndef MEGART_ATTN_SWITCH
 #define MEGART_ATTN_SWITCH 0
 #endif
@@ -454,14 +447,19 @@ struct StreamBody {
 __device__ __forceinline__ void megart_task_attention_decode(const megart_params_attention_decode& p, char* smem) {
   namespace at = megart_attn;
   const int pos = at::ld_in_i32(p.pos);
-  if constexpr (at::kAttnSwitch) {  // (the splitter gives such instances no pos_stamp: never streamed)
+  // The switch: while kv_len <= direct_upto the call runs as the direct form. Chunk c < group of each kv head
+  // attends every position for q head c alone (width 1, kOneHead) and writes that head's output itself, o / l: no
+  // partials, no arrival, no merge; the other chunks have nothing to do. One hop instead of chunks and a merge is
+  // shorter where the context is short (tasks/attention.py). The splitter gives such instances no pos_stamp, so
+  // the weight stream never carries their K/V.
+  if constexpr (at::kAttnSwitch) {
     const int kv_len = at::kv_length(p, pos);
     if (p.direct_upto > 0 && kv_len <= p.direct_upto) {
       if (p.cidx < p.group) {
         if (p.hd == 64) {
-          if constexpr (at::kHdOn<64>) at::attend_one_head<64>(p, smem, kv_len);
+          if constexpr (at::kHdOn<64>) at::attention_decode_body<64, 1, true>(p, smem, 0, kv_len);
         } else if (p.hd == 128) {
-          if constexpr (at::kHdOn<128>) at::attend_one_head<128>(p, smem, kv_len);
+          if constexpr (at::kHdOn<128>) at::attention_decode_body<128, 1, true>(p, smem, 0, kv_len);
         }
       }
       return;

@@ -292,7 +292,6 @@ class LlamaModel:
             **merge_shape_defines(cfg, self.chunks), **merge_active_default(cfg, self.chunks, self.tiles["attn_min_chunk"])}
         self.pk.defines = {**self.pk.defines, **check_defines({**ring, **merge}), **check_defines(defines or {})}
         self.attn_ring_short = bool(ring)   # (compile() drops it where it would not build clean)
-        self.direct_upto_auto = False       # (set by _build where the switch is the default; compile() may drop it)
         self._build()
         self._host = None
         self._pos_next_host = cfg.prefill      # what pos_next holds on the device (tracked, never read back)
@@ -477,16 +476,22 @@ class LlamaModel:
         # switch is not measured there)
         fits = (self.attn_merge == "auto" and self.merge_fused and not self.tagged_attn and self._stamp is None
                 and 4 <= self.cfg.group <= self.chunks)
-        upto = min(self.direct_upto_default, self.cfg.max_seq) if fits else 0
-        self.direct_upto_auto = upto > 0   # (compile() may take it back)
-        return upto
+        return min(self.direct_upto_default, self.cfg.max_seq) if fits else 0
+
+    def _attention_instances(self):
+        return (inst for inst in self.pk.graph.instances if inst.type.name == "attention_decode")
+
+    @property
+    def direct_upto_auto(self) -> bool:
+        """Whether the graph's attention takes the default switch (not one the caller set), which compile() may
+        take back."""
+        return self.tiles["attn_direct_upto"] is None and any(
+            inst.params["direct_upto"] for inst in self._attention_instances())
 
     def _set_direct_upto(self, upto: int) -> None:
         """Every attention instance's switch length (compile()'s fallback: 0, the chunks at every length)."""
-        for inst in self.pk.graph.instances:
-            if inst.type.name == "attention_decode" and inst.params.get("part_o") is not None:
-                inst.params["direct_upto"] = upto
-        self.direct_upto_auto = False
+        for inst in self._attention_instances():
+            inst.params["direct_upto"] = upto
 
     def _gemv(self, key, L, name, *, y, x, residual, after, tiles, fp8):
         p = key.rsplit(".", 1)[0] + "."
