@@ -43,11 +43,15 @@ OWNED_MACROS = {
 # Macros that must be non-negative integers: Python also reads them (to size shared memory), or the device
 # code tests them as numbers (MEGART_LEAN_SYNC: one release fence per instance's signals, csrc/runtime.cuh).
 INT_MACROS = ("MEGART_DENSE_RING_SLOTS", "MEGART_ATTN_RING_BYTES", "MEGART_PREFETCH_KB", "MEGART_LEAN_SYNC",
-              "MEGART_PHASE_MARKS", "MEGART_DIAG_NO_WAIT", "MEGART_STREAM_WAITS", "MEGART_STREAM_KV")
+              "MEGART_PHASE_MARKS", "MEGART_DIAG_NO_WAIT", "MEGART_STREAM_WAITS", "MEGART_STREAM_KV",
+              "MEGART_ATTN_MARK0")
 # Profiler modes whose every value means something (csrc/runtime.cuh): another number would build a mode no
 # reader decodes, so it is refused.
 MODE_MACROS = {"MEGART_PHASE_MARKS": {0: "off", 1: "phase stamps", 2: "the warps' spread"},
-               "MEGART_STREAM_WAITS": {0: "off", 1: "stage times", 2: "ring occupancy"}}
+               "MEGART_STREAM_WAITS": {0: "off", 1: "stage times", 2: "ring occupancy"},
+               # where attention_decode stamps mark 0 (tasks/attention_decode_blocks.cuh)
+               "MEGART_ATTN_MARK0": {0: "K/V attended", 1: "body start", 2: "q loaded", 3: "first stage landed",
+                                     4: "last stage attended", 5: "task entry", 6: "first stage attended"}}
 
 
 def check_defines(defines, origin: str = "defines") -> dict:

@@ -36,6 +36,7 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   // Ring geometry (see "Ring" below); it depends only on the thread count and the ring size.
   constexpr int RU = kRingU, RS = kRingStages;
   constexpr bool kRing = !kLowRegs && G <= 8 && RS >= 2;
+  if constexpr (kAttnMark0 == 1) megart::span_mark(0);
   // bf16 per lane per row. The ring path keeps 16-byte vectors for every G (5..8 included: its few
   // positions per batch leave the registers for q and o; G = 8 joined it when the register path's 8-byte
   // vectors, a whole warp per hd-128 row, measured 0.22 of the KV floor). The register path of G >= 5
@@ -89,6 +90,13 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   if (tnew) poll_tagged_inputs<HD, G>(p, smem, tpos);
   float q[G][VEC], m[G], l[G], o[G][VEC];
   load_q<HD, G, VEC>(p, tnew, sub, q, m, l, o, kOneHead ? p.cidx * HD : 0);
+  if constexpr (kAttnMark0 == 2) {  // (q's loads are used: thread 0 waits for them here)
+    float qs = 0.f;
+#pragma unroll
+    for (int g = 0; g < G; ++g) qs += q[g][0];
+    if (qs == 12345.f) asm volatile("" ::: "memory");
+    megart::span_mark(0);
+  }
 
   if constexpr (kRing) {
     // The tagged form: the stage and vector of position pos, if this thread holds it (its ring copy is of the
@@ -98,6 +106,7 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
     for (int j = 0; j < nst; ++j) {
       issue(j + RS - 1);       // into slot (j - 1) % RS, whose data iteration j - 1 has consumed
       cp_async_wait<RS - 1>();  // groups 0..j (this thread's copies of stage j) have landed
+      if constexpr (kAttnMark0 == 3) if (j == 0) megart::span_mark(0);
       const unsigned d = ring + ((unsigned)j % RS) * (RU * 2 * VSTRIDE);
       if ((unsigned)(tsel - j * RU) < (unsigned)RU) {
         const int tu = tsel - j * RU;
@@ -112,7 +121,9 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
         vv[u].u[0] = c.x, vv[u].u[1] = c.y, vv[u].u[2] = c.z, vv[u].u[3] = c.w;
       }
       attend_batch<VEC, LPR, G, RU, true>(q, m, l, o, kv, vv, lo + j * BATCH + slot, SLOTS, hi);
+      if constexpr (kAttnMark0 == 6) if (j == 0) megart::span_mark(0);
     }
+    if constexpr (kAttnMark0 == 4) megart::span_mark(0);
     cp_async_wait<0>();  // (nothing real is left: copies past the last stage are never issued)
     __syncthreads();     // the merge below reuses the ring's shared memory other warps may still read
   } else {
@@ -166,7 +177,7 @@ __device__ __forceinline__ void store_partials(const megart_params_attention_dec
     }
   }
 
-  megart::span_mark(0);  // (profiled builds: K/V read and attended)
+  if constexpr (kAttnMark0 == 0) megart::span_mark(0);  // (profiled builds: K/V read and attended)
 
   // merge across warps: rounds of kAttnStageWarps warps through shared memory [w][g][HD + 2]
   constexpr int STRIDE = HD + 2;
@@ -446,6 +457,7 @@ struct StreamBody {
 
 __device__ __forceinline__ void megart_task_attention_decode(const megart_params_attention_decode& p, char* smem) {
   namespace at = megart_attn;
+  if constexpr (at::kAttnMark0 == 5) megart::span_mark(0);
   const int pos = at::ld_in_i32(p.pos);
   // The switch: while kv_len <= direct_upto the call runs as the direct form. Chunk c < group of each kv head
   // attends every position for q head c alone (width 1, kOneHead) and writes that head's output itself, o / l: no

@@ -152,6 +152,7 @@ def test_item07_override_typo_is_an_error_listing_the_valid_keys(tmp_path):
     ({"MEGART_LEAN_SYNC": "yes"}, "MEGART_LEAN_SYNC='yes' must be a non-negative integer"),
     ({"MEGART_STREAM_WAITS": 3}, r"MEGART_STREAM_WAITS=3 is not one of its modes: 0 \(off\), 1 \(stage times\), 2"),
     ({"MEGART_PHASE_MARKS": "7"}, "MEGART_PHASE_MARKS='7' is not one of its modes"),
+    ({"MEGART_ATTN_MARK0": 7}, r"MEGART_ATTN_MARK0=7 is not one of its modes: 0 \(K/V attended\), 1 \(body start\)"),
 ])
 def test_item08_owned_or_malformed_defines_are_refused(defines, match):
     with pytest.raises(ConfigError, match=match):

@@ -605,3 +605,26 @@ def test_pos_stamp_is_one_tagged_word_and_chooses_the_forms_compiled_in():
     assert attn.macros_for([{"pos_stamp": two, **arr}], 256) == {"MEGART_ATTN_FUSED_MERGE": 1}
     assert attn.macros_for([{"pos_stamp": two}, {"pos_stamp": two, **arr}], 256) == {
         "MEGART_ATTN_DIRECT": 1, "MEGART_ATTN_FUSED_MERGE": 1}
+
+
+def test_attention_mark0_moves_the_stamp_only_in_phase_marked_builds():
+    """MEGART_ATTN_MARK0 (a timing diagnostic) puts attention_decode's mark 0 at another point of the chunk: in a
+    phase-marked build each point is its own code; without the marks the macro changes nothing (a profiled build
+    is what the faithful numbers time)."""
+    n_q, n_kv, hd, L = 8, 2, 64, 64
+
+    def cubin(**defines):
+        pk = megart.PersistentKernel(nw=4, device="cpu", profile=True,
+                                     defines={**body_defines(hd, n_q // n_kv, ATTN_SUBGROUP), **defines})
+        chunks = attention_chunks(n_kv, L, pk.nw)
+        q, k, v = attention_m1(n_q, n_kv, hd, L, L)
+        po, pm = attention_scratch(n_q, n_kv, hd, chunks)
+        pk.task("attention_decode", q=pk.tensor(q, "q"), k_cache=pk.tensor(k, "k"), v_cache=pk.tensor(v, "v"),
+                pos=pk.tensor(torch.full((1,), L - 1, dtype=torch.int32), "pos"), part_o=pk.tensor(po, "po"),
+                part_ml=pk.tensor(pm, "pm"), n_q=n_q, n_kv=n_kv, hd=hd, max_seq=L, chunks=chunks,
+                tiles=chunks * n_kv)
+        return pk.compile().compiled.cubin
+
+    assert cubin(MEGART_ATTN_MARK0=3) == cubin()
+    marked = {k: cubin(MEGART_PHASE_MARKS=1, MEGART_ATTN_MARK0=k) for k in (0, 3, 5, 6)}
+    assert len(set(marked.values())) == 4
