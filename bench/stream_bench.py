@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -207,14 +208,20 @@ def waits_text(rec) -> str:
     return "\n".join(rows)
 
 
+def spans_file(folder, name: str, variant: dict) -> Path:
+    """The .npz for one config's variant in `folder`: letters, digits, '.', '_' and '-' only (a context's '@'
+    and a macro's '=' become '-'), so copying tools that refuse other characters in names carry it."""
+    tag = "_".join(f"{k}-{v}" for k, v in variant.items()) or "default"
+    return Path(folder) / (re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}_{tag}") + ".npz")
+
+
 def run_logged(name, cfg, W, prefix, v, args, bw) -> dict:
     """One variant of one config, timed (and profiled unless --no-profile), its tables logged: its record."""
     variant = parse_variant(v)
     spans = None
     if args.spans:
         Path(args.spans).mkdir(parents=True, exist_ok=True)
-        tag = "_".join(f"{k}-{v_}" for k, v_ in variant.items()) or "default"
-        spans = Path(args.spans) / f"{name}_{tag}.npz"
+        spans = spans_file(args.spans, name, variant)
     try:
         rec = run_variant(cfg, W, prefix, args.nw, variant, args.steps, bw, not args.no_profile, spans,
                           args.phases, 2 if args.occupancy else int(args.waits))

@@ -84,3 +84,14 @@ def test_contexts_keep_the_shape_and_its_decode_headroom(bench):
     assert c.name != base.name and bench.at_context(base, None) is base
     with pytest.raises(SystemExit, match="at least 1"):
         bench.at_context(base, 0)
+
+
+def test_spans_files_are_named_with_plain_characters(bench, tmp_path):
+    """--spans: one file per config and variant, its name free of a context's '@' and a macro's '=' (a copy tool
+    that refuses such names would drop the records), and distinct per context and variant."""
+    a = bench.spans_file(tmp_path, "1b@2048", {"MEGART_ATTN_MARK0": "3"})
+    b = bench.spans_file(tmp_path, "1b@128", {"MEGART_ATTN_MARK0": "3"})
+    c = bench.spans_file(tmp_path, "1b@2048", {})
+    assert a.parent == tmp_path and a.name == "1b-2048_MEGART_ATTN_MARK0-3.npz"
+    assert c.name == "1b-2048_default.npz" and len({a, b, c}) == 3
+    assert all(ch.isalnum() or ch in "._-" for ch in a.name + b.name + c.name)
