@@ -171,13 +171,17 @@ ENGINES = [(256, REGISTERS), (256, RING(3)), (256, STREAM(1)), (256, STREAM("aut
            (96, STREAM(2))]
 
 
+# Two xdist groups (each on one worker): the shapes of a group share their kernels' compiles; the groups share
+# none (the K-split path is compiled in only where an instance takes it), so they run side by side.
+KSPLIT, WHOLE = pytest.mark.xdist_group("dense_engines_ksplit"), pytest.mark.xdist_group("dense_engines_whole")
+
+
 @pytest.mark.parametrize("n,k,tiles,nw", [
-    pytest.param(37, 4112, 3, 3, id="pairs>=warps,3-stage-rows"),
-    pytest.param(6, 8208, 2, 2, id="split-K,uneven-slices"),
-    pytest.param(2, 16, 1, 1, id="empty-K-slices"),
-    pytest.param(300, 2064, 1, 1, id="many-pairs-per-warp"),
-    pytest.param(40, 528, 5, 2, id="stream-across-instances")])
-@pytest.mark.xdist_group("dense_engines")     # (one worker: the shapes share most of their kernels' compiles)
+    pytest.param(37, 4112, 3, 3, id="pairs>=warps,3-stage-rows", marks=WHOLE),
+    pytest.param(6, 8208, 2, 2, id="split-K,uneven-slices", marks=KSPLIT),
+    pytest.param(2, 16, 1, 1, id="empty-K-slices", marks=KSPLIT),
+    pytest.param(300, 2064, 1, 1, id="many-pairs-per-warp", marks=WHOLE),
+    pytest.param(40, 528, 5, 2, id="stream-across-instances", marks=WHOLE)])
 def test_weight_engines_are_bit_identical_to_the_register_path(n, k, tiles, nw):
     """The ring and the stream consume the same chunks in the same order as dot2's registers, so each
     dense type gives bit-identical outputs with every engine and depth. Each worker runs several calls'
