@@ -90,7 +90,7 @@ __device__ __forceinline__ void attention_decode_body(const megart_params_attent
   if (tnew) poll_tagged_inputs<HD, G>(p, smem, tpos);
   float q[G][VEC], m[G], l[G], o[G][VEC];
   load_q<HD, G, VEC>(p, tnew, sub, q, m, l, o, kOneHead ? p.cidx * HD : 0);
-  if constexpr (kAttnMark0 == 2) {  // (q's loads are used: thread 0 waits for them here)
+  if constexpr (kAttnMark0 == 2) {  // q used before the stamp (a branch on it), so thread 0 has waited for q's loads
     float qs = 0.f;
 #pragma unroll
     for (int g = 0; g < G; ++g) qs += q[g][0];

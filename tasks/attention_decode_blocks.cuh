@@ -20,11 +20,11 @@ constexpr int kAttnRingBytes = MEGART_ATTN_RING_BYTES;
 #error "attention_decode needs its ring geometry from tasks/attention_ring.py (the type's defines_for)"
 #endif
 constexpr int kRingU = MEGART_ATTN_RING_U, kRingStages = MEGART_ATTN_RING_STAGES;
-// MEGART_ATTN_MARK0 (a timing diagnostic of phase-marked builds, megart/options.py): where attention_decode stamps
-// its mark 0. 0, the default: the lanes' softmax states merged (K/V read and attended); 1: the body's start
-// (pos read, the chunk's range known); 2: q loaded and used; 3: the ring's first stage landed; 4: the ring's
-// last stage attended; 5: the task's entry, before pos is read; 6: the ring's first stage attended. The same instances timed to each point, one
-// build each, take the chunk's body apart (bench/RESULTS.md, thirty-fourth session).
+// MEGART_ATTN_MARK0 (a timing diagnostic of phase-marked builds, megart/options.py): where attention_decode
+// stamps its mark 0. 0, the default: the lanes' softmax states merged (K/V read and attended); 1: the body's
+// start (pos read, the chunk's range known); 2: q loaded and used; 3: the ring's first stage landed; 4: the
+// ring's last stage attended; 5: the task's entry, before pos is read; 6: the ring's first stage attended.
+// The same instances timed to each point, one build each, take the chunk's body apart.
 #ifndef MEGART_ATTN_MARK0
 #define MEGART_ATTN_MARK0 0
 #endif
