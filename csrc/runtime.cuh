@@ -43,8 +43,10 @@ constexpr bool kStreamOccupancy = false;
 // warp (a dense body's dots and epilogues done), and the record keeps the first warp's time as mark 0 and the
 // last one's as mark 1 (lane 0 of each warp, the warp's index in the time's low 4 bits; mark-0 calls are
 // ignored). An instance whose body never reaches mark 1 records both at its begin (csrc/worker_loop.cuh).
+// kPhaseStamps: span_mark(i) stamps thread 0's time (MEGART_PHASE_MARKS=1), so where a body calls it is what
+// its marks measure (attention_decode's MEGART_ATTN_MARK0 moves its mark 0 only then).
 #if defined(MEGART_PROFILE) && defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS == 2
-constexpr bool kWarpSpreadMarks = true;
+constexpr bool kWarpSpreadMarks = true, kPhaseStamps = false;
 static_assert(MEGART_THREADS <= 512, "MEGART_PHASE_MARKS=2 keeps a warp index in 4 bits");
 __device__ __forceinline__ void span_mark(int i) {
   if (i == 1 && (threadIdx.x & 31) == 0) {  // (the warp's index in the low 4 bits: which warp came first / last)
@@ -54,7 +56,7 @@ __device__ __forceinline__ void span_mark(int i) {
   }
 }
 #elif defined(MEGART_PROFILE) && defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS
-constexpr bool kWarpSpreadMarks = false;
+constexpr bool kWarpSpreadMarks = false, kPhaseStamps = true;
 __device__ __forceinline__ void span_mark(int i) {
   if (threadIdx.x == 0) {
     const unsigned long long t = globaltimer();
@@ -63,7 +65,7 @@ __device__ __forceinline__ void span_mark(int i) {
   }
 }
 #else
-constexpr bool kWarpSpreadMarks = false;
+constexpr bool kWarpSpreadMarks = false, kPhaseStamps = false;
 __device__ __forceinline__ void span_mark(int) {}
 #endif
 

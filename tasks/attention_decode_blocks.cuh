@@ -28,11 +28,7 @@ constexpr int kRingU = MEGART_ATTN_RING_U, kRingStages = MEGART_ATTN_RING_STAGES
 #ifndef MEGART_ATTN_MARK0
 #define MEGART_ATTN_MARK0 0
 #endif
-#if defined(MEGART_PROFILE) && defined(MEGART_PHASE_MARKS) && MEGART_PHASE_MARKS == 1
-constexpr int kAttnMark0 = MEGART_ATTN_MARK0;
-#else
-constexpr int kAttnMark0 = 0;  // (no stamps: the macro changes nothing)
-#endif
+constexpr int kAttnMark0 = megart::kPhaseStamps ? MEGART_ATTN_MARK0 : 0;  // (no stamps: the macro changes nothing)
 // MEGART_DIAG_NO_WAIT bit 2 (a timing diagnostic, device builds only; csrc/runtime.cuh): attention reads no
 // K/V from the cache (the ring copies nothing, the register path takes zeros). The step computes garbage; its
 // time against the default says what attention's K/V reads cost the step.

@@ -171,8 +171,9 @@ ENGINES = [(256, REGISTERS), (256, RING(3)), (256, STREAM(1)), (256, STREAM("aut
            (96, STREAM(2))]
 
 
-# Two xdist groups (each on one worker): the shapes of a group share their kernels' compiles; the groups share
-# none (the K-split path is compiled in only where an instance takes it), so they run side by side.
+# Two xdist groups (each on one worker), so they run side by side: the shapes of a group share their kernels'
+# compiles. The K-split path is compiled in only where an instance takes it, so the groups share only the
+# 256-thread kernels of stream-across-instances (K-split at 8 warps; found in the shared cache once built).
 KSPLIT, WHOLE = pytest.mark.xdist_group("dense_engines_ksplit"), pytest.mark.xdist_group("dense_engines_whole")
 
 

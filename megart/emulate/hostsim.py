@@ -138,6 +138,7 @@ inline void trampoline() {
 inline void __syncthreads() { hostsim::arrive(hostsim::block); }
 namespace megart {
 inline void span_mark(int) {}  // (phase marks belong to the device's span records: csrc/runtime.cuh)
+constexpr bool kPhaseStamps = false;
 }
 // A device-side misuse the simulation can see (misaligned mbarrier, a wait that would never return): the
 // first one is kept and the run reports it.
