@@ -14,8 +14,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group(name): run on one pytest-xdist worker with its group")
     # Under pytest-xdist (-n), tests marked xdist_group run one after another on one worker, so a group whose
     # tests build the same kernels compiles each once (its parameters spread over workers compiled them twice).
+    # The controller schedules by group; each worker must also know (pytest_configure_node, below) to name its
+    # tests by group, or the scheduler sees no groups. (pytest 9 ignores that naming: the test extra pins 8.)
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadgroup"
+    if getattr(config, "workerinput", {}).get("megart_loadgroup"):
+        config.option.loadgroup = True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist, on the controller, per worker: pass the grouped scheduling on."""
+    if node.config.getvalue("dist") == "loadgroup":
+        node.workerinput["megart_loadgroup"] = True
 
 
 def pytest_collection_modifyitems(config, items):

@@ -34,7 +34,9 @@ MARGIN = 0.1          # greedy prompts: smallest top-2 logit gap / logit std alo
 GREEDY_PROMPT = {"llama_g3": 10, "llama_g7": 65, "qwen3": 173}   # prompt seeds meeting MARGIN (searched once)
 
 
-pytestmark = pytest.mark.usefixtures("cpu_settings")
+# One xdist group: each case (a checkpoint, two transformers models and a compiled megart model, ~12-25 s) is
+# built once, on one worker, instead of once per worker its tests land on.
+pytestmark = [pytest.mark.usefixtures("cpu_settings"), pytest.mark.xdist_group("hf_model")]
 
 
 class Case:
