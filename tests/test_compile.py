@@ -9,10 +9,11 @@ from megart import codegen, registry
 from megart.compile import CompileError, compile_source, parse_ptxas
 
 
-# (the profiled build, where registers are tight, the tighter of the two: each of these builds is ~60-80 s of CI.
-# The models' own kernels at 256 unprofiled: tests/test_llama.py; the dense and attention bodies at 4 warps and
-# fewer, where every thread has 255 registers: tests/test_dense_engines.py, tests/test_tasks_attention.py)
-@pytest.mark.parametrize("threads,profile", [(256, True), (512, True)])
+# (the profiled build at the models' 8 warps, where registers are tighter than unprofiled: ~60 s of CI. The
+# models' own kernels at 256 and 384 threads unprofiled: tests/test_llama.py; the dense and attention bodies at 4
+# warps and fewer, where every thread has 255 registers: tests/test_dense_engines.py, tests/test_tasks_attention.py;
+# 512 threads, which no model ships, is left out for CI time)
+@pytest.mark.parametrize("threads,profile", [(256, True)])
 def test_all_builtin_tasks_compile_without_spills(profile, threads):
     src = codegen.generate(registry.all_types(), codegen.KernelConfig(threads=threads, profile=profile))
     out = compile_source(src, "sm_90a")
