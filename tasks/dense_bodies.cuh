@@ -97,85 +97,6 @@ __device__ __forceinline__ bool gemv_in_pieces(const P& p, const MatvecPlan<Rows
   return true;
 }
 
-// A warp's claims on a call's shared tail: lane 0 takes the counter's next value (relaxed: a claim orders nothing;
-// the rows' outputs are tagged words, which their readers poll) and tail_share gives it to every lane (a butterfly
-// sum over lanes that hold 0), as late as the caller can, so the atomic's round trip overlaps other work.
-__device__ __forceinline__ unsigned tail_take(unsigned* pool) {
-  unsigned t = 0;
-  if ((threadIdx.x & 31) == 0) {
-#ifdef __CUDA_ARCH__
-    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;" : "=r"(t) : "l"(pool) : "memory");
-#else
-    t = (*pool)++;
-#endif
-  }
-  return t;
-}
-__device__ __forceinline__ unsigned tail_share(unsigned t) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-  return t;
-}
-
-// The call's shared tail (TILES_TAIL, tasks/dense_matvec.py): after its own rows, every warp of every instance of
-// the call claims groups t of the last tail_n one at a time from `pool` (rows(t, w): their weight rows; epi(t, ...)
-// as matvec's) until a claim comes back past the tail, so the SMs that stream fastest take more of them and the
-// call ends as one instead of with its slowest SM. The registers engine reads them (same chunks, same order as
-// every engine: the same sums whoever claims a group). Each warp makes exactly one claim past the tail, so a step
-// makes tail_n + pool_instances * kWarps claims; the last resets the counter (the next claims come in a later
-// launch). The next claim is in flight while a group's dots run.
-// Whether a params struct declares a shared tail (tasks/dense_matvec.py tail_params).
-template <class P, class = void>
-struct HasTail {
-  static constexpr bool value = false;
-};
-template <class P>
-struct HasTail<P, decltype((void)static_cast<const P*>(nullptr)->tail_n)> {
-  static constexpr bool value = true;
-};
-// Compiled in where an instance has a tail (MEGART_DENSE_TAIL, set from the graph: tasks/dense_common.py's
-// matvec_macros).
-#ifndef MEGART_DENSE_TAIL
-#define MEGART_DENSE_TAIL 1
-#endif
-template <bool FP8, class Rows, class Epi>
-__device__ __forceinline__ void matvec_tail(unsigned* pool, int tail_n, int pool_instances, int kc, const uint4* xs,
-                                            Rows rows, Epi epi) {
-  const unsigned last = (unsigned)tail_n + (unsigned)pool_instances * kWarps - 1u;
-  unsigned t = tail_share(tail_take(pool));
-  while (t < (unsigned)tail_n) {
-    const unsigned next = tail_take(pool);
-    const void* w[2];
-    rows((int)t, w);
-    float s[2] = {0.f, 0.f};
-    dot2<FP8>(w, xs, 0, kc, s);
-    epi((int)t, warp_sum(s[0]), warp_sum(s[1]));
-    t = tail_share(next);
-  }
-  if ((threadIdx.x & 31) == 0 && t == last) {
-#ifdef __CUDA_ARCH__
-    asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(pool) : "memory");
-#else
-    *pool = 0;
-#endif
-  }
-}
-
-// A GEMV's shared tail (gemv_m1): rows tail_at + 2t, + 2t + 1 (relative to this instance's first row) of the
-// tail's tail_n, after the instance's own rows, with x staged whole.
-template <bool FP8, class P>
-__device__ __forceinline__ void gemv_tail(const P& p, const uint4* xs) {
-  if (!MEGART_DENSE_TAIL || p.tail_n <= 0) return;
-  const long long row_bytes = (FP8 ? 1ll : 2ll) * p.k;
-  const PairRows rows{reinterpret_cast<const char*>(p.w) + p.tail_at * row_bytes, p.tail_n, row_bytes};
-  const int at = p.tail_at, lane = threadIdx.x & 31;
-  matvec_tail<FP8>(reinterpret_cast<unsigned*>(p.pool), (p.tail_n + 1) >> 1, p.tail_pool, p.k >> (FP8 ? 4 : 3), xs,
-                   rows, [&](int t, float a, float b) {
-                     const int r = 2 * t + lane;
-                     if (lane < 2 && r < p.tail_n) gemv_store(p, at + r, lane ? b : a);
-                   });
-}
-
 // The gate/up body (gate_up_silu, gate_up_silu_fp8): h[g] = bf16(silu(gate) * up) in fp32 (FP8: each dot
 // times its row's scale first).
 template <bool FP8, class P, class Rows>
@@ -204,15 +125,6 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
       prefetch_l1(s_up + g);
     }
   });
-  if constexpr (MEGART_DENSE_TAIL && HasTail<P>::value) {
-    if (p.tail_n > 0) {  // the call's shared tail: group tail_at + t, relative to this instance's first row
-      const GateUpRows<FP8, P> rows{p};
-      const int at = p.tail_at;
-      matvec_tail<FP8>(reinterpret_cast<unsigned*>(p.pool), p.tail_n, p.tail_pool, plan.kc, xs,
-                       [&](int t, const void* (&w)[2]) { rows(at + t, w); },
-                       [&](int t, float gate, float up) { epi(at + t, gate, up); });
-    }
-  }
 }
 
 // The LM head's body (lm_head_argmax, lm_head_argmax_fp8): the logits of the instance's rows (FP8: times
@@ -226,33 +138,23 @@ __device__ __forceinline__ void lm_head_body(const P& p, const MatvecPlan<Rows>&
   const int lane = threadIdx.x & 31;
   float bv = neg_inf();
   int bi = kNoIndex;
-  // rows r, r + 1 (relative to row0; r + 1 only below `end`)
-  auto rows_epi = [&](int r, int end, float a, float b) {
+  auto epi = [&](int g, float a, float b) {
+    const int r = 2 * g;
     if constexpr (FP8) {
       a *= __ldg(scale + r);
-      if (r + 1 < end) b *= __ldg(scale + r + 1);
+      if (r + 1 < p.n) b *= __ldg(scale + r + 1);
     }
-    if (store && lane < 2 && r + lane < end) p.logits[r + lane] = lane ? b : a;
+    if (store && lane < 2 && r + lane < p.n) p.logits[r + lane] = lane ? b : a;
     a = nan_low(a);
     if (better(a, p.row0 + r, bv, bi)) { bv = a; bi = p.row0 + r; }
-    if (r + 1 < end) {
+    if (r + 1 < p.n) {
       b = nan_low(b);
       if (better(b, p.row0 + r + 1, bv, bi)) { bv = b; bi = p.row0 + r + 1; }
     }
   };
-  auto epi = [&](int g, float a, float b) { rows_epi(2 * g, p.n, a, b); };
   matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) {
     if constexpr (FP8) prefetch_l1(scale + 2 * g);
   });
-  if constexpr (MEGART_DENSE_TAIL && HasTail<P>::value) {
-    if (p.tail_n > 0) {  // the call's shared tail: its rows go into this instance's partial (the argmax is the same)
-      const long long row_bytes = (FP8 ? 1ll : 2ll) * p.k;
-      const int at = p.tail_at, end = at + p.tail_n;
-      matvec_tail<FP8>(reinterpret_cast<unsigned*>(p.pool), (p.tail_n + 1) >> 1, p.tail_pool, plan.kc, xs,
-                       PairRows{reinterpret_cast<const char*>(p.w) + at * row_bytes, p.tail_n, row_bytes},
-                       [&](int t, float a, float b) { rows_epi(at + 2 * t, end, a, b); });
-    }
-  }
   block_argmax(bv, bi, scratch_of(smem));
   if (threadIdx.x == 0) {
     p.part_val[0] = bv;

@@ -97,21 +97,18 @@ def tagged_flag(p) -> bool:
     return bool(p.get("flags", 0) & FLAG_TAGGED_X)
 
 
-def matvec_macros(pairs, tagged_x=None, tail=False):
+def matvec_macros(pairs, tagged_x=None):
     """TaskType.macros_for of a matvec type whose instance `p` has pairs(p) row pairs. MEGART_DENSE_KSPLIT=1 when
     one of them would take the K-split path, else 0 (the path is ~80 KB of code that a step whose instances all
     deal whole pairs never runs; the 1B step measured 8-15 us faster without it). For a type with an x-in-pieces
     path (gemv_m1, gemv_m1_fp8: tagged_x given), MEGART_DENSE_TAGGED_X=1 when one instance reads a tagged x
     (tagged_x(p)), else 0: only such an x is staged in pieces (MEGART_DENSE_X_PIECES), and a kernel without one
-    leaves that code out (with the K-split path, it made the dense engines' kernels spill). For a type with a
-    shared tail (tail: gate_up_silu), MEGART_DENSE_TAIL=1 when one instance has one (tail_n > 0), else 0."""
+    leaves that code out (with the K-split path, it made the dense engines' kernels spill)."""
     def macros(params, threads: int) -> dict:
         least = whole_pairs_from(threads)
         out = {"MEGART_DENSE_KSPLIT": int(any(pairs(p) < least for p in params))}
         if tagged_x is not None:
             out["MEGART_DENSE_TAGGED_X"] = int(any(tagged_x(p) for p in params))
-        if tail:
-            out["MEGART_DENSE_TAIL"] = int(any(p.get("tail_n", 0) > 0 for p in params))
         return out
     return macros
 

@@ -22,10 +22,8 @@ from .tiling import even_tiles, require
 RING = dict(prewait=True, stream=True, smem_for=smem_for, defines_for=defines_for, smem_bytes=STAGE_SMEM)  # (smem_bytes: ring off)
 # ... with the row pairs of a pair-plan instance (tasks/dense_bodies.cuh's pair_plan: rows 2g, 2g + 1 of n)
 ROW_PAIRS = dict(RING, macros_for=matvec_macros(lambda p: (p["n"] + 1) // 2))
-ROW_PAIRS_TAIL = dict(RING, macros_for=matvec_macros(lambda p: (p["n"] + 1) // 2, tail=True))
 # ... and an x in pieces when it is tagged (gemv_m1, gemv_m1_fp8: MEGART_DENSE_X_PIECES)
 GEMV_ROW_PAIRS = dict(RING, macros_for=matvec_macros(lambda p: (p["n"] + 1) // 2, tagged_flag))
-GEMV_ROW_PAIRS_TAIL = dict(RING, macros_for=matvec_macros(lambda p: (p["n"] + 1) // 2, tagged_flag, tail=True))
 
 
 def _norm(p):
@@ -43,17 +41,8 @@ def _common_x(task, x, norm_weight, k_mult=8):
     return x, g
 
 
-# A call's shared tail (_tail): the counter its warps claim rows from, this instance's declared piece of the tail
-# (its outputs and weight rows: the reference computes that piece), the tail's rows, where they start relative to
-# this instance's first row, and the call's instances.
-def tail_params(*weights: str, residual: bool = False) -> tuple:
-    return (ptr("pool", "i32", "sync", optional=True), ptr("out_tail", "bf16", "out", optional=True, tagged=True),
-            *(ptr(w + "_tail", "bf16", "weight", optional=True) for w in weights),
-            *((ptr("residual_tail", "bf16", "in", optional=True, tagged=True),) if residual else ()),
-            scalar("tail_n"), scalar("tail_at"), scalar("tail_pool"))
-
 # ---- gemv_m1 -------------------------------------------------------------------------------------
-def _gemv_split(task, nw, tiles, y, w, x, residual, norm_weight, eps, scale=None, w_elem=2, tail=0, pool=None):
+def _gemv_split(task, nw, tiles, y, w, x, residual, norm_weight, eps, scale=None, w_elem=2):
     y, w = ref(task, y, "y"), ref(task, w, "w")
     x, g = _common_x(task, x, norm_weight, 8 if w_elem == 2 else 16)
     n, k = y.count, x.count
@@ -72,13 +61,11 @@ def _gemv_split(task, nw, tiles, y, w, x, residual, norm_weight, eps, scale=None
         require(sc.count == n, task, f"scale has {sc.count} elements, y has {n} (one per output channel)")
     flags = (FLAG_RESIDUAL if res is not None else 0) | (FLAG_NORM if g is not None else 0) \
         | tagged_flags(x=x, out=y, residual=res)
-    tails = _tail(task, tail, pool, n, k, y, dict(w=w), res, pairs=True) if task == "gemv_m1" else lambda i, lo, m: {}
     out = []
-    rows = even_tiles(n - tail, tiles, align=2)     # whole row pairs: a warp streams two rows at once
-    for i, (lo, hi) in enumerate(rows):
+    for lo, hi in even_tiles(n, tiles, align=2):     # whole row pairs: a warp streams two rows at once
         inst = dict(y=sub(y, lo, hi - lo), w=sub(w, lo * k, (hi - lo) * k), x=x,
                     residual=sub(res, lo, hi - lo) if res is not None else None,
-                    norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps), **tails(i, lo, len(rows)))
+                    norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps))
         if sc is not None:
             inst["scale"] = sub(sc, lo, hi - lo)
         out.append(inst)
@@ -91,11 +78,6 @@ def _gemv_ref(p) -> None:
     if p.flags & FLAG_RESIDUAL:
         acc = acc + p.residual.float()
     p.y.copy_(acc.to(torch.bfloat16))
-    if getattr(p, "out_tail", None) is not None:   # this instance's declared piece of the shared tail
-        acc = p.w_tail.view(-1, p.k).float() @ xs
-        if p.flags & FLAG_RESIDUAL:
-            acc = acc + p.residual_tail.float()
-        p.out_tail.copy_(acc.to(torch.bfloat16))
 
 
 def _gemv_cost(y=None, w=None, x=None, residual=None, norm_weight=None, scale=None, **_):
@@ -110,11 +92,11 @@ register(TaskType(
     generated=wrappers("w", ring=True),
     params=(ptr("y", "bf16", "out", tagged=True), ptr("w", "bf16", "weight"), ptr("x", "bf16", "in", tagged=True),
             ptr("residual", "bf16", "in", optional=True, tagged=True), ptr("norm_weight", "bf16", "weight", optional=True),
-            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), *tail_params("w", residual=True)),
+            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32")),
     source=source("gemv_m1"), headers=HEADERS, reference=_gemv_ref,
-    split=lambda nw, tiles=1, y=None, w=None, x=None, residual=None, norm_weight=None, eps=1e-5, tail=0, pool=None:
-        _gemv_split("gemv_m1", nw, tiles, y, w, x, residual, norm_weight, eps, tail=tail, pool=pool),
-    cost=_gemv_cost, prefetch=True, **GEMV_ROW_PAIRS_TAIL,
+    split=lambda nw, tiles=1, y=None, w=None, x=None, residual=None, norm_weight=None, eps=1e-5:
+        _gemv_split("gemv_m1", nw, tiles, y, w, x, residual, norm_weight, eps),
+    cost=_gemv_cost, prefetch=True, **GEMV_ROW_PAIRS,
     doc="y[N] = W[N,K] @ x (+ residual[N], may be y itself); with norm_weight, x is RMS-normalised first "
         "(each CTA reduces x itself; the normalised x is rounded to bf16). bf16 in/out, fp32 accumulation. "
         "Tiles over output rows."), builtin=True)
@@ -199,7 +181,7 @@ register(TaskType(
 
 # ---- gate_up_silu / gate_up_silu_fp8 -------------------------------------------------------------
 def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_weight=None, eps=1e-5,
-                   s_gate=None, s_up=None, task="gate_up_silu", parts=None, tp=0, x_out=None, tail=0, pool=None):
+                   s_gate=None, s_up=None, task="gate_up_silu", parts=None, tp=0, x_out=None):
     fp8 = task == "gate_up_silu_fp8"     # e4m3 rows with per-row f32 scales s_gate / s_up
     h, wg, wu = ref(task, h, "h"), ref(task, w_gate, "w_gate"), ref(task, w_up, "w_up")
     x, g = _common_x(task, x, norm_weight, 16 if fp8 else 8)
@@ -212,53 +194,14 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
     for nm, r in scales.items():
         require(r.count == f, task, f"{nm} has {r.count} elements, h has {f} (one scale per row)")
     disjoint(task, h, "h", x, "x")
-    require(not tail or not fp8, task, "a shared tail (tail > 0) is built for gate_up_silu only")
-    tails = _tail(task, tail, pool, f, k, h, dict(w_gate=wg, w_up=wu)) if not fp8 else lambda i, lo, m: {}
-    rows = even_tiles(f - tail, tiles)
+    rows = even_tiles(f, tiles)
     folds = fold_pieces(task, x, [(h, "h")], parts, tp, x_out, len(rows))
     fold = FLAG_PARTS if parts is not None else 0
     flags = (FLAG_NORM if g is not None else 0) | fold | tagged_flags(x=x, out=h)
     return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
-                 x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps), **fd, **tails(i, lo, len(rows)),
+                 x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps), **fd,
                  **{nm: sub(r, lo, hi - lo) for nm, r in scales.items()})
-            for i, ((lo, hi), fd) in enumerate(zip(rows, folds))]
-
-
-def _tail(task, tail, pool, n, k, out, weights: dict, residual=None, pairs=False):
-    """A call's shared tail (tail > 0 rows): its instances split rows [0, n - tail) as usual, and every warp of every
-    instance then claims the tail's rows (row pairs in a GEMV) one at a time from `pool`, one i32 counter that is
-    zero between steps (tasks/dense_bodies.cuh, matvec_tail): the SMs that stream fastest take more of them. Each
-    instance declares piece i of the tail (its outputs, its weight rows) as its own, so the call's declared writes
-    cover the outputs once; the outputs must be tagged, since a row's writer is known only on the device and its
-    readers poll the words. weights: name -> the whole weight ([n, k] rows); pairs: a GEMV's tail (its residual
-    declared too; whole row pairs). Returns (i, lo, instances) -> the instance's tail parameters."""
-    none = dict(pool=None, out_tail=None, **{nm + "_tail": None for nm in weights}, tail_n=0, tail_at=0, tail_pool=0,
-                **(dict(residual_tail=None) if pairs else {}))
-    require(isinstance(tail, int) and not isinstance(tail, bool), task, f"tail must be an int (rows), got {tail!r}")
-    if not tail:
-        require(pool is None, task, "pool is the shared tail's counter: give it with tail > 0")
-        return lambda i, lo, m: none
-    require(0 < tail < n, task, f"tail must be an int in [1, {n}) (rows), got {tail!r}")
-    require(not pairs or tail % 2 == 0, task, f"tail must be whole row pairs (even), got {tail}")
-    require(out.tensor.tagged, task, "a shared tail needs tagged outputs (megart.tagged.empty): its rows' writers "
-                                     "are known only on the device, so their readers poll the words")
-    require(pool is not None, task, "tail needs pool (one i32 counter, zero before the first step)")
-    pr = ref(task, pool, "pool")
-    require(pr.count == 1 and pr.tensor.dtype == "i32", task,
-            f"pool must be one i32 counter, got {pr.count} {pr.tensor.dtype} element(s)")
-    require(not overlaps(pr, out), task, "pool overlaps the outputs")
-
-    def params(i, lo, m):
-        plo, phi = even_tiles(tail, m)[i] if i < min(m, tail) else (0, 0)
-        base = n - tail + plo
-        piece = dict(none)
-        if phi > plo:
-            piece.update(out_tail=sub(out, base, phi - plo),
-                         **{nm + "_tail": sub(w, base * k, (phi - plo) * k) for nm, w in weights.items()})
-            if residual is not None:
-                piece["residual_tail"] = sub(residual, base, phi - plo)
-        return {**piece, "pool": pr, "tail_n": tail, "tail_at": n - tail - lo, "tail_pool": m}
-    return params
+            for (lo, hi), fd in zip(rows, folds)]
 
 
 def _gate_up_ref(p) -> None:
@@ -269,9 +212,6 @@ def _gate_up_ref(p) -> None:
     if hasattr(p, "s_gate"):    # gate_up_silu_fp8: per-row scales after the fp32 dots, as the device
         gate, up = gate * p.s_gate, up * p.s_up
     p.h.copy_((silu(gate) * up).to(torch.bfloat16))
-    if getattr(p, "out_tail", None) is not None:   # this instance's declared piece of the shared tail
-        gate, up = p.w_gate_tail.view(-1, p.k).float() @ xs, p.w_up_tail.view(-1, p.k).float() @ xs
-        p.out_tail.copy_((silu(gate) * up).to(torch.bfloat16))
 
 
 def _gate_up_cost(h=None, w_gate=None, w_up=None, x=None, norm_weight=None, s_gate=None, s_up=None, parts=None,
@@ -288,10 +228,9 @@ register(TaskType(
     generated=wrappers("w_gate", "w_up", ring=True),
     params=(ptr("h", "bf16", "out", tagged=True), ptr("w_gate", "bf16", "weight"), ptr("w_up", "bf16", "weight"),
             ptr("x", "bf16", "in", tagged=True), ptr("norm_weight", "bf16", "weight", optional=True),
-            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), *FOLD_PARAMS,
-            *tail_params("w_gate", "w_up")),
+            scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), *FOLD_PARAMS),
     source=source("gate_up_silu"), headers=HEADERS, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
-    prefetch=True, **RING, macros_for=matvec_macros(lambda p: p["n"], tail=True),
+    prefetch=True, **RING, macros_for=matvec_macros(lambda p: p["n"]),
     doc="h[F] = silu(Wg[F,K] x) * (Wu[F,K] x), gate and up kept in fp32 registers (never stored); optional "
         "RMSNorm prologue as gemv_m1. With parts (tp f32 slots of K) and x_out, a tensor-parallel all-reduce is "
         "folded in: x + parts[0] + ... + parts[tp-1] (rank order, one bf16 rounding, as tp_sum_f32) is what is "
@@ -315,7 +254,7 @@ register(TaskType(
 
 # ---- lm_head_argmax / argmax_reduce --------------------------------------------------------------
 def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=None, norm_weight=None, eps=1e-5,
-              scale=None, task="lm_head_argmax", tail=0, pool=None):
+              scale=None, task="lm_head_argmax"):
     fp8 = task == "lm_head_argmax_fp8"
     w = ref(task, w, "w")
     x, g = _common_x(task, x, norm_weight, 16 if fp8 else 8)
@@ -325,9 +264,7 @@ def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=
     v = w.count // k
     check_shape(task, w, "w", (v, k), "[vocab, K] for x[K]")
     pv, pi = ref(task, part_val, "part_val"), ref(task, part_idx, "part_idx")
-    require(not tail or not fp8, task, "a shared tail (tail > 0) is built for lm_head_argmax only")
-    tails = _lm_tail(task, tail, pool, v, k, w, opt_ref(logits, "logits")) if not fp8 else lambda i, lo, m: {}
-    parts = even_tiles(v - tail, tiles)
+    parts = even_tiles(v, tiles)
     require(pv.count == len(parts) and pi.count == len(parts), task,
             f"part_val/part_idx need one entry per instance: {len(parts)} (tiles={tiles} over {v} rows), "
             f"got {pv.count} / {pi.count}")
@@ -344,36 +281,10 @@ def _lm_split(nw, tiles=1, w=None, x=None, part_val=None, part_idx=None, logits=
         out.append(dict(w=sub(w, lo * k, (hi - lo) * k), x=x, part_val=val, part_idx=sub(pi, i, 1),
                         logits=sub(lg, lo, hi - lo) if lg is not None else val,
                         norm_weight=g,
-                        n=hi - lo, k=k, row0=lo, flags=flags, eps=float(eps), **tails(i, lo, len(parts))))
+                        n=hi - lo, k=k, row0=lo, flags=flags, eps=float(eps)))
         if sc is not None:
             out[-1]["scale"] = sub(sc, lo, hi - lo)
     return out
-
-
-def _lm_tail(task, tail, pool, v, k, w, logits):
-    """The LM head's shared tail (_tail's rules): the claimed rows' logits (when stored) and their argmax go into
-    the claiming instance's partial, so the partials depend on who claimed what, their argmax never. Each
-    instance declares piece i of the tail's weight rows and logits; the tail needs no tagged output (only the
-    instance's own partial is read in the step)."""
-    none = dict(pool=None, w_tail=None, logits_tail=None, tail_n=0, tail_at=0, tail_pool=0, tail_piece=0)
-    require(isinstance(tail, int) and not isinstance(tail, bool), task, f"tail must be an int (rows), got {tail!r}")
-    if not tail:
-        require(pool is None, task, "pool is the shared tail's counter: give it with tail > 0")
-        return lambda i, lo, m: none
-    require(0 < tail < v and tail % 2 == 0, task, f"tail must be whole row pairs in [2, {v}) (rows), got {tail}")
-    require(pool is not None, task, "tail needs pool (one i32 counter, zero before the first step)")
-    pr = ref(task, pool, "pool")
-    require(pr.count == 1 and pr.tensor.dtype == "i32", task,
-            f"pool must be one i32 counter, got {pr.count} {pr.tensor.dtype} element(s)")
-
-    def params(i, lo, m):
-        plo, phi = even_tiles(tail, m)[i] if i < min(m, tail) else (0, 0)
-        piece = dict(none)
-        if phi > plo:
-            piece.update(w_tail=sub(w, (v - tail + plo) * k, (phi - plo) * k), tail_piece=plo,
-                         logits_tail=sub(logits, v - tail + plo, phi - plo) if logits is not None else None)
-        return {**piece, "pool": pr, "tail_n": tail, "tail_at": v - tail - lo, "tail_pool": m}
-    return params
 
 
 def _lm_ref(p) -> None:
@@ -383,18 +294,10 @@ def _lm_ref(p) -> None:
         logits = logits * p.scale
     if p.flags & FLAG_LOGITS:
         p.logits.copy_(logits)
-    rows = torch.arange(p.n) + p.row0
-    if getattr(p, "w_tail", None) is not None:   # this instance's declared piece of the shared tail
-        piece = p.w_tail.view(-1, p.k).float() @ xs
-        if p.flags & FLAG_LOGITS:
-            p.logits_tail.copy_(piece)
-        logits = torch.cat([logits, piece])
-        rows = torch.cat([rows, torch.arange(piece.numel()) + p.row0 + p.tail_at + p.tail_piece])
     v = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    best = torch.max(v)
-    i = int(rows[v == best].min())   # ties: the lowest row (the device's rule, across pieces too)
-    p.part_val[0] = best
-    p.part_idx[0] = i
+    i = int(torch.argmax(v))
+    p.part_val[0] = v[i]
+    p.part_idx[0] = p.row0 + i
 
 
 def _lm_cost(w=None, x=None, part_val=None, part_idx=None, logits=None, norm_weight=None, scale=None, **_):
@@ -410,13 +313,8 @@ register(TaskType(
     generated=wrappers("w", ring=True),
     params=(ptr("w", "bf16", "weight"), ptr("x", "bf16", "in", tagged=True), ptr("part_val", "f32", "out"),
             ptr("part_idx", "i32", "out"), ptr("logits", "f32", "out"), ptr("norm_weight", "bf16", "weight", optional=True),
-            scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32"),
-            # the shared tail (_lm_tail): as tail_params, the declared piece's logits f32, its first tail row
-            ptr("pool", "i32", "sync", optional=True), ptr("w_tail", "bf16", "weight", optional=True),
-            ptr("logits_tail", "f32", "out", optional=True), scalar("tail_n"), scalar("tail_at"), scalar("tail_pool"),
-            scalar("tail_piece")),
-    source=source("lm_head_argmax"), headers=HEADERS, reference=_lm_ref, split=_lm_split, cost=_lm_cost, prefetch=True,
-    **ROW_PAIRS_TAIL,
+            scalar("n"), scalar("k"), scalar("row0"), scalar("flags"), scalar("eps", "f32")),
+    source=source("lm_head_argmax"), headers=HEADERS, reference=_lm_ref, split=_lm_split, cost=_lm_cost, prefetch=True, **ROW_PAIRS,
     doc="LM head over vocab rows of W[V,d] (tied: the embedding table) with the final RMSNorm optionally "
         "fused: each instance writes its max logit and its row (ties: lowest) to part_val[i]/part_idx[i], "
         "and, if `logits` is given, the f32 logits of its rows. part_val/part_idx have one entry per "

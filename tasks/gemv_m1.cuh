@@ -18,14 +18,10 @@ __device__ __forceinline__ void megart_task_gemv_m1(const P& p, char* smem) {
 #if MEGART_DENSE_X_PIECES && MEGART_DENSE_TAGGED_X && MEGART_STREAM_SLOTS > 0
   // A streamed matvec of a tagged x with no norm: its stages' dots begin as their pieces of x land (dense_common.cuh).
   if constexpr (StreamOn<P>::value) {
-    if (gemv_in_pieces<false, P>(p, plan_gemv_m1(p), epi, NoPre{}, smem)) {
-      gemv_tail<false>(p, xs);
-      return;
-    }
+    if (gemv_in_pieces<false, P>(p, plan_gemv_m1(p), epi, NoPre{}, smem)) return;
   }
 #endif
   stage_x(p.x, p.norm_weight, p.k, p.flags & kFlagNorm, p.eps, xs, scratch_of(smem), PartsSum{},
           p.flags & kFlagTaggedX);
   matvec_prewaited<false, P>(plan_gemv_m1(p), xs, scratch_of(smem), epi, smem);
-  gemv_tail<false>(p, xs);
 }

@@ -98,11 +98,8 @@ def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
         merge=min(cfg.n_q, nw),
         o=nw,
         gate_up=nw,
-        gate_up_tail=0,   # rows of gate/up that every worker claims at the call's end (tasks/dense_matvec.py _tail)
         down=nw,
-        down_tail=0,
         lm=nw if cfg.vocab >= nw else cfg.vocab,
-        lm_tail=0,
         silu_mul=max(1, min(nw, cfg.ffn // 256)),
     )
 
@@ -342,7 +339,7 @@ class LlamaModel:
         else:
             self.token = z(1, dtype=i32)
             self.history = torch.full((c.max_seq,), -1, dtype=i32, device=dev)
-            n_parts = min(self.tiles["lm"], c.vocab - self.tiles["lm_tail"])
+            n_parts = min(self.tiles["lm"], c.vocab)
             self.part_val = z(n_parts, dtype=f32)
             self.part_idx = z(n_parts, dtype=i32)
             self.logits = z(c.vocab, dtype=f32)
@@ -389,10 +386,10 @@ class LlamaModel:
             else:
                 g_gu = self._task(p + "gate_up", "gate_up_silu", [g_o], h=h, w_gate=T(L["wg"], p + "wg"),
                                   w_up=T(L["wu"], p + "wu"), x=xm, norm_weight=T(L["post_norm"], p + "post_norm"),
-                                  eps=eps, tiles=tl["gate_up"], **self._tail(l, "gate_up"))
+                                  eps=eps, tiles=tl["gate_up"])
             # down: x_{l+1} = xm + Wd h. xm came from o_proj, which gate_up already waited for.
             g_prev = self._gemv(p + "down", L, "wd", y=xs[l + 1], x=h, residual=xm, after=[g_gu],
-                                tiles=tl["down"], fp8=fp8, **({} if fp8 else self._tail(l, "down")))
+                                tiles=tl["down"], fp8=fp8)
         if not c.block:
             pv, pi = T(self.part_val, "part_val"), T(self.part_idx, "part_idx")
             extra = dict(logits=T(self.logits, "logits")) if self.with_logits else {}
@@ -400,23 +397,13 @@ class LlamaModel:
                 extra["scale"] = T(W.shead, "lm_head_scale")
             g_lm = self._task("lm_head", "lm_head_argmax_fp8" if c.fp8_head else "lm_head_argmax", [g_prev], w=head,
                               x=xs[-1], part_val=pv, part_idx=pi, norm_weight=T(W.final_norm, "final_norm"), eps=eps,
-                              tiles=tl["lm"], **extra, **({} if c.fp8_head else self._tail(-1, "lm")))
+                              tiles=tl["lm"], **extra)
         self._kv_commits(pos)
         if not c.block:
             # token is read by the embedding at the step's start: that write-after-read is implied here
             # (and history[pos] = token: token_record's write, without a hop of its own at the step's end)
             self._task("argmax", "argmax_reduce", [g_lm], token=token, part_val=pv, part_idx=pi,
                        history=T(self.history, "history"), pos=pos)
-
-    def _tail(self, l: int, call: str) -> dict:
-        """A call's shared tail (tiles[call + "_tail"] rows claimed at its end) and its counter (l: the layer, -1
-        for the LM head)."""
-        n = self.tiles.get(call + "_tail", 0)
-        if not n:
-            return {}
-        self.pools = getattr(self, "pools", {})
-        t = self.pools.setdefault((l, call), torch.zeros(1, dtype=torch.int32, device=self.device))
-        return dict(tail=n, pool=self.pk.tensor(t, (f"L{l}." if l >= 0 else "") + f"{call}_pool"))
 
     def _pos_advance(self, pos):
         """The step's first task: pos = pos_next, pos_next + 1, and pos_stamp stamped where attention's K/V come
@@ -506,13 +493,13 @@ class LlamaModel:
         for inst in self._attention_instances():
             inst.params["direct_upto"] = upto
 
-    def _gemv(self, key, L, name, *, y, x, residual, after, tiles, fp8, **tail):
+    def _gemv(self, key, L, name, *, y, x, residual, after, tiles, fp8):
         p = key.rsplit(".", 1)[0] + "."
         w = self.pk.tensor(L[name], p + name)
         if fp8:
             return self._task(key, "gemv_m1_fp8", after, y=y, w=w, scale=self.pk.tensor(L["s" + name], p + "s" + name),
                               x=x, residual=residual, tiles=tiles)
-        return self._task(key, "gemv_m1", after, y=y, w=w, x=x, residual=residual, tiles=tiles, **tail)
+        return self._task(key, "gemv_m1", after, y=y, w=w, x=x, residual=residual, tiles=tiles)
 
     def _gate_up_fp8(self, p, L, h, xm, g_o):
         """cfg.fp8_gate_up "split": one gemv_m1_fp8 over the stacked [2 ffn, d] gate|up matrix (fused
