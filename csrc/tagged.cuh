@@ -129,6 +129,26 @@ __device__ __forceinline__ uint4 ld_tagged8(const void* x, int i) {
   return make_uint4(untag2(a.x, a.y), untag2(a.z, a.w), untag2(b.x, b.y), untag2(b.z, b.w));
 }
 
+// ld_tagged8 in two halves, so that several reads are in flight before the first is checked: issue the
+// words' loads, then (after the caller has issued its others) check them, spinning only where they are not yet
+// this step's.
+struct Tagged8 {
+  uint4 a, b;
+};
+__device__ __forceinline__ Tagged8 ld_tagged8_issue(const void* x, int i) {
+  const unsigned* w = static_cast<const unsigned*>(x) + i;
+  return Tagged8{ld_relaxed_v4(w), ld_relaxed_v4(w + 4)};
+}
+__device__ __forceinline__ uint4 ld_tagged8_finish(const void* x, int i, Tagged8 t) {
+  if (!kDiagNoPoll && !tags_match(t.a, t.b, s_poll.tag)) {
+    const unsigned* w = static_cast<const unsigned*>(x) + i;
+    poll_spin8(w);
+    t.a = ld_relaxed_v4(w);
+    t.b = ld_relaxed_v4(w + 4);
+  }
+  return make_uint4(untag2(t.a.x, t.a.y), untag2(t.a.z, t.a.w), untag2(t.b.x, t.b.y), untag2(t.b.z, t.b.w));
+}
+
 // Value i of tagged vector `x` (its bf16 bits), once it carries this step's tag.
 __device__ __forceinline__ unsigned ld_tagged(const void* x, int i) {
   const unsigned* w = static_cast<const unsigned*>(x) + i;

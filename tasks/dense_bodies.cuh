@@ -91,7 +91,7 @@ __device__ __forceinline__ bool gemv_in_pieces(const P& p, const MatvecPlan<Rows
   constexpr int kPiece = kXPieceChunks<FP8>;
   if ((p.flags & (kFlagTaggedX | kFlagNorm)) != kFlagTaggedX || !x_in_pieces(p.k, kPiece)) return false;
   float* scratch = scratch_of(smem);
-  stage_x_pieces<kPiece>(p.x, p.k, xs_of(smem), scratch);
+  stage_x_pieces<kPiece, FP8 ? 1 : kXBatch>(p.x, p.k, xs_of(smem), scratch);
   matvec_prewaited<FP8, P>(plan, xs_of(smem), scratch, epi, smem, pre, XPieces{x_piece_bars(scratch)});
   x_pieces_done(p.k, kPiece, scratch);
   return true;

@@ -206,6 +206,15 @@ __device__ __forceinline__ void stage_x(const __nv_bfloat16* x, const __nv_bfloa
 #define MEGART_DENSE_X_ARRIVE_ALL 0
 #endif
 constexpr int kXArrive = MEGART_DENSE_X_ARRIVE_ALL;
+// How many of a stager thread's chunks of a bf16 GEMV's x are read at once (MEGART_DENSE_X_BATCH): 1 reads,
+// checks and stores one chunk before reading the next, so an x of kc chunks takes kc / MEGART_THREADS dependent
+// round trips (4 for the 1B step's down); N issues N chunks' loads before checking the first. (The e4m3 GEMV
+// stays at 1: with more, the fp8 configs' stream builds no longer fit their register budget.)
+#ifndef MEGART_DENSE_X_BATCH
+#define MEGART_DENSE_X_BATCH 1
+#endif
+constexpr int kXBatch = MEGART_DENSE_X_BATCH;
+static_assert(kXBatch >= 1 && kXBatch <= 8, "MEGART_DENSE_X_BATCH is 1..8");
 static_assert(kXArrive == 0 || kXArrive == 1, "MEGART_DENSE_X_ARRIVE_ALL is 0 or 1");
 // The arrivals a piece's mbarrier expects per phase.
 template <int kPiece>
@@ -219,22 +228,43 @@ __device__ __forceinline__ bool x_in_pieces(int k, int piece) {
   const int kc = k >> 3;
   return (k & 7) == 0 && kc % piece == 0 && kc / piece <= kMaxXPieces;
 }
-template <int kPiece>
+template <int kPiece, int kBatch = 1>
 __device__ __forceinline__ void stage_x_pieces(const __nv_bfloat16* x, int k, uint4* xs, float* scratch) {
   static_assert(kPiece % 32 == 0, "a warp's 32 chunks lie in one piece");
   const int kc = k >> 3, lane = threadIdx.x & 31;
   unsigned long long* bars = x_piece_bars(scratch);
   if ((int)threadIdx.x < kc / kPiece) mbar_init<kXPieceArrivals<kPiece>>(bars + threadIdx.x);
   __syncthreads();  // (initialised before any arrival)
-  for (int c0 = threadIdx.x - lane; c0 < kc; c0 += MEGART_THREADS) {
-    xs[c0 + lane] = ld_tagged8(x, 8 * (c0 + lane));
+  auto arrive = [&](int c0) {
     if constexpr (kXArrive == 1) {
       mbar_arrive(bars + c0 / kPiece);
     } else {
       __syncwarp();
       if (lane == 0) mbar_arrive(bars + c0 / kPiece);
     }
+  };
+  if constexpr (kBatch > 1) {  // a thread's next kBatch chunks read at once, then checked in order
+    for (int c0 = threadIdx.x - lane; c0 < kc; c0 += kBatch * MEGART_THREADS) {
+      Tagged8 t[kBatch];
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r)
+        if (c0 + r * MEGART_THREADS < kc) t[r] = ld_tagged8_issue(x, 8 * (c0 + r * MEGART_THREADS + lane));
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int c = c0 + r * MEGART_THREADS;  // (kc is whole warps: a piece is)
+        if (c < kc) {
+          xs[c + lane] = ld_tagged8_finish(x, 8 * (c + lane), t[r]);
+          arrive(c);
+        }
+      }
+    }
+  } else {
+    for (int c0 = threadIdx.x - lane; c0 < kc; c0 += MEGART_THREADS) {
+      xs[c0 + lane] = ld_tagged8(x, 8 * (c0 + lane));
+      arrive(c0);
+    }
   }
+  span_mark(0);  // (profiled builds: thread 0's chunks of x staged)
 }
 // After every warp's last wait: the pieces' mbarriers back to plain shared memory.
 __device__ __forceinline__ void x_pieces_done(int k, int piece, float* scratch) {

@@ -350,3 +350,23 @@ def test_call_index_and_breakdown_cover_every_instance():
     # the modelled spans stamp no phase marks: each call's last body is all in its last part
     assert all(len(r["last_phases_us"]) == 3 and r["last_phases_us"][:2] == [0.0, 0.0] for r in rows)
     assert sum(r["last_phases_us"][2] for r in rows) > 0
+
+
+def test_gate_up_in_parts_gives_the_same_bits():
+    """tiles["gate_up_parts"] = 2: gate_up_silu as two calls over h's halves (down waits for both); the host-run
+    step gives the one call's bits, and bad part counts or an fp8 model are refused."""
+    cfg = llama.tiny()
+    W, kv = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
+    one = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW)
+    two = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW, tiles={"gate_up_parts": 2})
+    assert [lb for lb in two.groups if lb.startswith("L0.gate_up")] == ["L0.gate_up", "L0.gate_up1"]
+    assert len(two.groups["L0.gate_up"].uids) == len(one.groups["L0.gate_up"].uids)
+    toks = [(int(one.step(5, cfg.prefill)[1]), int(two.step(5, cfg.prefill)[1]))]
+    toks += [(int(one.step()[1]), int(two.step()[1]))]
+    assert all(a == b for a, b in toks) and torch.equal(one.logits, two.logits)
+    for bad in (0, True, 1.5, cfg.ffn):
+        with pytest.raises(ValueError, match="gate_up_parts"):
+            llama.LlamaModel(cfg, device="cpu", init="empty", nw=NW, tiles={"gate_up_parts": bad}, compile=False)
+    with pytest.raises(ValueError, match="fp8"):
+        llama.LlamaModel(llama.config("tiny_fp8"), device="cpu", init="empty", nw=NW, tiles={"gate_up_parts": 2},
+                         compile=False)

@@ -363,6 +363,19 @@ def test_x_in_pieces_gives_the_register_engines_bits(arrive_all):
         assert torch.equal(pieces[k], v), k
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_x_read_in_batches_gives_the_register_engines_bits(batch):
+    """MEGART_DENSE_X_BATCH=N: each stager thread reads its next N chunks of x before checking the first (ffn 4,096:
+    down's x is 512 chunks, two per thread at 256 threads, so the batch of 3 has a chunk past x's end, which it
+    must skip); every tensor of two steps equals the register engine's."""
+    from megart.models import llama
+    cfg = llama.tiny().with_(name="tiny_ffn4k", ffn=4096)
+    pieces = _tiny_steps(cfg, {**PIECES, "MEGART_DENSE_X_BATCH": batch}, steps=2)
+    regs = _tiny_steps(cfg, {"MEGART_STREAM_SLOTS": 0}, steps=2)
+    for k, v in regs.items():
+        assert torch.equal(pieces[k], v), k
+
+
 def test_hostsim_catches_a_piece_of_x_never_staged(tmp_path):
     """Without the stager warps' arrival every compute warp waits on a piece that never completes: the host
     simulation reports threads stuck (on the device: the watchdog), and so shows the pieces path ran."""
@@ -370,6 +383,8 @@ def test_hostsim_catches_a_piece_of_x_never_staged(tmp_path):
     src = _broken(tmp_path, "      if (lane == 0) mbar_arrive(bars + c0 / kPiece);\n", "")
     with pytest.raises(dense_hostsim.HostSimError, match="stuck"):
         _tiny_ffn_steps(PIECES, src, steps=1)
+    with pytest.raises(dense_hostsim.HostSimError, match="stuck"):   # (the batched reads arrive the same way)
+        _tiny_ffn_steps({**PIECES, "MEGART_DENSE_X_BATCH": 2}, src, steps=1)
 
 
 FP8_PIECES = {"MEGART_STREAM_SLOTS": 8, "MEGART_STREAM_STAGE": 64, "MEGART_DENSE_X_PIECES_FP8": 1}

@@ -98,6 +98,7 @@ def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
         merge=min(cfg.n_q, nw),
         o=nw,
         gate_up=nw,
+        gate_up_parts=1,   # gate_up_silu as this many calls over h's consecutive parts (bf16; an experiment)
         down=nw,
         lm=nw if cfg.vocab >= nw else cfg.vocab,
         silu_mul=max(1, min(nw, cfg.ffn // 256)),
@@ -278,6 +279,11 @@ class LlamaModel:
                                             **(defines or {})}, peers=peers)
         self.nw = self.pk.nw
         self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
+        parts = self.tiles["gate_up_parts"]
+        if not isinstance(parts, int) or isinstance(parts, bool) or not 1 <= parts <= cfg.ffn // 8:
+            raise ValueError(f"tiles['gate_up_parts'] must be an integer in [1, ffn / 8 = {cfg.ffn // 8}], got {parts!r}")
+        if parts > 1 and cfg.wdtype == "fp8":
+            raise ValueError("tiles['gate_up_parts'] applies to the bf16 gate_up_silu; this model's weights are fp8")
         self.deps = deps
         self.kv_refs = kv_refs
         self.attn_merge = attn_merge
@@ -382,14 +388,12 @@ class LlamaModel:
             g_o = self._gemv(p + "o", L, "wo", y=xm, x=a, residual=xs[l], after=[g_mrg], tiles=tl["o"], fp8=fp8)
             h = T(self.h[l], p + "h")
             if fp8:
-                g_gu = self._gate_up_fp8(p, L, h, xm, g_o)
+                g_gu = [self._gate_up_fp8(p, L, h, xm, g_o)]
             else:
-                g_gu = self._task(p + "gate_up", "gate_up_silu", [g_o], h=h, w_gate=T(L["wg"], p + "wg"),
-                                  w_up=T(L["wu"], p + "wu"), x=xm, norm_weight=T(L["post_norm"], p + "post_norm"),
-                                  eps=eps, tiles=tl["gate_up"])
+                g_gu = self._gate_up_parts(p, L, h, xm, g_o, eps)
             # down: x_{l+1} = xm + Wd h. xm came from o_proj, which gate_up already waited for.
-            g_prev = self._gemv(p + "down", L, "wd", y=xs[l + 1], x=h, residual=xm, after=[g_gu],
-                                tiles=tl["down"], fp8=fp8)
+            g_prev = self._gemv(p + "down", L, "wd", y=xs[l + 1], x=h, residual=xm, after=g_gu, tiles=tl["down"],
+                                fp8=fp8)
         if not c.block:
             pv, pi = T(self.part_val, "part_val"), T(self.part_idx, "part_idx")
             extra = dict(logits=T(self.logits, "logits")) if self.with_logits else {}
@@ -500,6 +504,20 @@ class LlamaModel:
             return self._task(key, "gemv_m1_fp8", after, y=y, w=w, scale=self.pk.tensor(L["s" + name], p + "s" + name),
                               x=x, residual=residual, tiles=tiles)
         return self._task(key, "gemv_m1", after, y=y, w=w, x=x, residual=residual, tiles=tiles)
+
+    def _gate_up_parts(self, p, L, h, xm, g_o, eps):
+        """gate_up_silu as tiles["gate_up_parts"] calls over consecutive parts of h, in order (a list of the calls).
+        More than one lets down begin on the first parts' pieces of h while the last part is computed, for the cost
+        of staging and normalising x once more per part."""
+        c, tl, T = self.cfg, self.tiles, self._tensor
+        from ..tasks.tiling import even_tiles
+        parts = even_tiles(c.ffn, tl["gate_up_parts"], align=1024 if c.ffn % 1024 == 0 else 8)
+        wg, wu, g = T(L["wg"], p + "wg"), T(L["wu"], p + "wu"), T(L["post_norm"], p + "post_norm")
+        calls = [self._task(p + ("gate_up" if i == 0 else f"gate_up{i}"), "gate_up_silu", [g_o], h=h.ref(lo, hi - lo),
+                            w_gate=wg.ref(lo * c.d, (hi - lo) * c.d), w_up=wu.ref(lo * c.d, (hi - lo) * c.d), x=xm,
+                            norm_weight=g, eps=eps, tiles=tl["gate_up"])
+                 for i, (lo, hi) in enumerate(parts)]
+        return calls
 
     def _gate_up_fp8(self, p, L, h, xm, g_o):
         """cfg.fp8_gate_up "split": one gemv_m1_fp8 over the stacked [2 ffn, d] gate|up matrix (fused
