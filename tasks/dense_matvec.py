@@ -181,7 +181,7 @@ register(TaskType(
 
 # ---- gate_up_silu / gate_up_silu_fp8 -------------------------------------------------------------
 def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_weight=None, eps=1e-5,
-                   s_gate=None, s_up=None, task="gate_up_silu", parts=None, tp=0, x_out=None):
+                   s_gate=None, s_up=None, task="gate_up_silu", parts=None, tp=0, x_out=None, rotate=0):
     fp8 = task == "gate_up_silu_fp8"     # e4m3 rows with per-row f32 scales s_gate / s_up
     h, wg, wu = ref(task, h, "h"), ref(task, w_gate, "w_gate"), ref(task, w_up, "w_up")
     x, g = _common_x(task, x, norm_weight, 16 if fp8 else 8)
@@ -194,7 +194,9 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
     for nm, r in scales.items():
         require(r.count == f, task, f"{nm} has {r.count} elements, h has {f} (one scale per row)")
     disjoint(task, h, "h", x, "x")
-    rows = even_tiles(f, tiles)
+    require(isinstance(rotate, int) and not isinstance(rotate, bool) and rotate >= 0, task,
+            f"rotate must be an int >= 0 (the instance the larger tiles begin at), got {rotate!r}")
+    rows = even_tiles(f, tiles, rotate=rotate)
     folds = fold_pieces(task, x, [(h, "h")], parts, tp, x_out, len(rows))
     fold = FLAG_PARTS if parts is not None else 0
     flags = (FLAG_NORM if g is not None else 0) | fold | tagged_flags(x=x, out=h)
@@ -234,7 +236,8 @@ register(TaskType(
     doc="h[F] = silu(Wg[F,K] x) * (Wu[F,K] x), gate and up kept in fp32 registers (never stored); optional "
         "RMSNorm prologue as gemv_m1. With parts (tp f32 slots of K) and x_out, a tensor-parallel all-reduce is "
         "folded in: x + parts[0] + ... + parts[tp-1] (rank order, one bf16 rounding, as tp_sum_f32) is what is "
-        "normalised, and each instance stores its piece of that sum to x_out. Tiles over F."), builtin=True)
+        "normalised, and each instance stores its piece of that sum to x_out. Tiles over F (rotate = r: the tiles "
+        "one row larger are those from instance r on)."), builtin=True)
 
 
 register(TaskType(

@@ -5,16 +5,17 @@ from ..errors import GraphError
 from ..tensors import as_ref
 
 
-def even_tiles(n: int, tiles: int, align: int = 1) -> list[tuple[int, int]]:
+def even_tiles(n: int, tiles: int, align: int = 1, rotate: int = 0) -> list[tuple[int, int]]:
     """Split [0, n) into at most `tiles` contiguous non-empty ranges whose starts are multiples of
-    `align` and whose sizes differ by at most `align`."""
+    `align` and whose sizes differ by at most `align`. The ranges one unit larger are those from range
+    `rotate` on (cyclically), so calls that rotate it spread the larger ranges over different instances."""
     if tiles < 1:
         raise GraphError(f"tiles must be >= 1, got {tiles}")
     units = -(-n // align)
     tiles = min(tiles, units)
     out, lo_unit = [], 0
     for i in range(tiles):
-        hi_unit = lo_unit + units // tiles + (1 if i < units % tiles else 0)
+        hi_unit = lo_unit + units // tiles + (1 if (i - rotate) % tiles < units % tiles else 0)
         out.append((lo_unit * align, min(hi_unit * align, n)))
         lo_unit = hi_unit
     return out

@@ -364,6 +364,16 @@ def test_gate_up_in_parts_gives_the_same_bits():
     toks = [(int(one.step(5, cfg.prefill)[1]), int(two.step(5, cfg.prefill)[1]))]
     toks += [(int(one.step()[1]), int(two.step()[1]))]
     assert all(a == b for a, b in toks) and torch.equal(one.logits, two.logits)
+    # three parts of 176, 168 and 168 rows over 16 workers: each part rotates which workers take a row more, so
+    # every worker's rows over the three differ by at most one
+    three = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW, tiles={"gate_up_parts": 3}, compile=False)
+    sched, rows = build(three.pk.graph), {}
+    for lb, grp in three.groups.items():
+        if lb.startswith("L0.gate_up"):
+            for u in grp.uids:
+                w = sched.worker_of[u]
+                rows[w] = rows.get(w, 0) + three.pk.graph.instances[u].params["n"]
+    assert sum(rows.values()) == cfg.ffn and max(rows.values()) - min(rows.values()) <= 1, rows
     for bad in (0, True, 1.5, cfg.ffn):
         with pytest.raises(ValueError, match="gate_up_parts"):
             llama.LlamaModel(cfg, device="cpu", init="empty", nw=NW, tiles={"gate_up_parts": bad}, compile=False)

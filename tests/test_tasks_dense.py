@@ -281,6 +281,24 @@ def test_gate_up_silu_rejects():
     with pytest.raises(GraphError, match="w_up has"):
         pk.task("gate_up_silu", h=H, w_gate=wg, w_up=pk.tensor(torch.zeros(15, 64, dtype=torch.bfloat16), "wu"),
                 x=x)
+    wu = pk.tensor(torch.zeros(16, 64, dtype=torch.bfloat16), "wu16")
+    for bad in (-1, 1.0, True):
+        with pytest.raises(GraphError, match="rotate must be"):
+            pk.task("gate_up_silu", h=H, w_gate=wg, w_up=wu, x=x, tiles=3, rotate=bad)
+
+
+def test_gate_up_silu_rotates_its_larger_tiles():
+    """rotate=r: the tiles one row larger are those from instance r on (cyclically), still contiguous in order."""
+    from megart.tasks.tiling import even_tiles
+    assert even_tiles(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert even_tiles(10, 4, rotate=2) == [(0, 2), (2, 4), (4, 7), (7, 10)]
+    assert even_tiles(10, 4, rotate=3) == [(0, 3), (3, 5), (5, 7), (7, 10)]
+    pk = kernel(4)
+    x = pk.tensor(torch.zeros(64, dtype=torch.bfloat16), "x")
+    wg, wu = (pk.tensor(torch.zeros(10, 64, dtype=torch.bfloat16), nm) for nm in ("wg", "wu"))
+    g = pk.task("gate_up_silu", h=pk.tensor(torch.zeros(10, dtype=torch.bfloat16), "h"), w_gate=wg, w_up=wu, x=x,
+                tiles=4, rotate=2)
+    assert [pk.graph.instances[u].params["n"] for u in g.uids] == [2, 2, 3, 3]
 
 
 # ---- silu_mul / rmsnorm / embedding ----------------------------------------------------------------------

@@ -392,10 +392,14 @@ class LlamaModel:
         from ..tasks.tiling import even_tiles
         parts = even_tiles(c.ffn, tl["gate_up_parts"], align=1024 if c.ffn % 1024 == 0 else 8)
         wg, wu, g = T(L["wg"], p + "wg"), T(L["wu"], p + "wu"), T(L["post_norm"], p + "post_norm")
-        calls = [self._task(p + ("gate_up" if i == 0 else f"gate_up{i}"), "gate_up_silu", [g_o], h=h.ref(lo, hi - lo),
-                            w_gate=wg.ref(lo * c.d, (hi - lo) * c.d), w_up=wu.ref(lo * c.d, (hi - lo) * c.d), x=xm,
-                            norm_weight=g, eps=eps, tiles=tl["gate_up"])
-                 for i, (lo, hi) in enumerate(parts)]
+        calls, rotate = [], 0
+        for i, (lo, hi) in enumerate(parts):
+            calls.append(self._task(p + ("gate_up" if i == 0 else f"gate_up{i}"), "gate_up_silu", [g_o],
+                                    h=h.ref(lo, hi - lo), w_gate=wg.ref(lo * c.d, (hi - lo) * c.d),
+                                    w_up=wu.ref(lo * c.d, (hi - lo) * c.d), x=xm, norm_weight=g, eps=eps,
+                                    tiles=tl["gate_up"], **({"rotate": rotate} if rotate else {})))
+            # the next part's larger tiles begin where this part's end, so no worker takes a row more in every part
+            rotate = (rotate + (hi - lo) % tl["gate_up"]) % tl["gate_up"]
         return calls
 
     def _gate_up_fp8(self, p, L, h, xm, g_o):
