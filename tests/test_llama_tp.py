@@ -89,6 +89,8 @@ def test_tp_rejects_shapes_it_cannot_split():
     group = LlamaTPGroup(llama.tiny(), 2, nw=4)
     with pytest.raises(GraphError, match="LlamaTPGroup.step"):
         group.ranks[0].step(3)
+    with pytest.raises(ValueError, match="gate_up_parts"):
+        LlamaTPGroup(llama.tiny(), 2, nw=4, tiles={"gate_up_parts": 2})
 
 
 def test_llama8b_rank_compiles_clean():
