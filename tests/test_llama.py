@@ -377,6 +377,9 @@ def test_gate_up_in_parts_gives_the_same_bits():
     for bad in (0, True, 1.5, cfg.ffn):
         with pytest.raises(ValueError, match="gate_up_parts"):
             llama.LlamaModel(cfg, device="cpu", init="empty", nw=NW, tiles={"gate_up_parts": bad}, compile=False)
+    with pytest.raises(ValueError, match=r"\[1, 8\] \(parts of h of 1024-row"):   # (the 1B shape: ffn 8,192)
+        llama.LlamaModel(llama.config("1b"), device="cpu", init="empty", nw=132, sm_count=132,
+                         tiles={"gate_up_parts": 9}, compile=False)
     with pytest.raises(ValueError, match="fp8"):
         llama.LlamaModel(llama.config("tiny_fp8"), device="cpu", init="empty", nw=NW, tiles={"gate_up_parts": 2},
                          compile=False)

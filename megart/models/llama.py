@@ -57,7 +57,8 @@ from ..geometry.attention import attention_chunks
 from .call_breakdown import call_breakdown, call_index, call_kind
 from .llama_defaults import (ATTN_DIRECT_UPTO, ATTN_MERGE, ATTN_MIN_CHUNK, DIRECT_WIDTH, SHORT_ATTN_RING,  # noqa: F401
                              STREAM_DEFAULT, attention_defines, attention_ring_default, default_threads, default_tiles,
-                             merge_active_default, merge_fused, merge_shape_defines, stream_default)
+                             gate_up_part_align, merge_active_default, merge_fused, merge_shape_defines,
+                             stream_default)
 from .llama_config import (CONFIGS, LlamaConfig, LlamaWeights, block_8b, clone_kv, config, llama_1b,  # noqa: F401
                            llama_1b_fp8, make_inputs, make_kv_cache, make_weights, relerr, rope_tables, tiny)
 
@@ -158,9 +159,10 @@ class LlamaModel:
                                             **(defines or {})}, peers=peers)
         self.nw = self.pk.nw
         self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
-        parts = self.tiles["gate_up_parts"]
-        if not isinstance(parts, int) or isinstance(parts, bool) or not 1 <= parts <= cfg.ffn // 8:
-            raise ValueError(f"tiles['gate_up_parts'] must be an integer in [1, ffn / 8 = {cfg.ffn // 8}], got {parts!r}")
+        parts, most = self.tiles["gate_up_parts"], cfg.ffn // gate_up_part_align(cfg)
+        if not isinstance(parts, int) or isinstance(parts, bool) or not 1 <= parts <= most:
+            raise ValueError(f"tiles['gate_up_parts'] must be an integer in [1, {most}] (parts of h of "
+                             f"{gate_up_part_align(cfg)}-row multiples), got {parts!r}")
         if parts > 1 and cfg.wdtype == "fp8":
             raise ValueError("tiles['gate_up_parts'] applies to the bf16 gate_up_silu; this model's weights are fp8")
         self.deps = deps
@@ -390,7 +392,7 @@ class LlamaModel:
         of staging and normalising x once more per part."""
         c, tl, T = self.cfg, self.tiles, self._tensor
         from ..tasks.tiling import even_tiles
-        parts = even_tiles(c.ffn, tl["gate_up_parts"], align=1024 if c.ffn % 1024 == 0 else 8)
+        parts = even_tiles(c.ffn, tl["gate_up_parts"], align=gate_up_part_align(c))
         wg, wu, g = T(L["wg"], p + "wg"), T(L["wu"], p + "wu"), T(L["post_norm"], p + "post_norm")
         calls, rotate = [], 0
         for i, (lo, hi) in enumerate(parts):

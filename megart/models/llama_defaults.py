@@ -51,6 +51,12 @@ def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
     )
 
 
+def gate_up_part_align(cfg: LlamaConfig) -> int:
+    """Rows of h a part of gate_up (tiles["gate_up_parts"]) is a multiple of: 1,024 where the width allows (a
+    piece of down's x at the default 4 KB weight stage, so a part completes whole pieces), else 8."""
+    return 1024 if cfg.ffn % 1024 == 0 else 8
+
+
 STREAM_DEFAULT = "auto"   # the decode step streams its weights (bench/RESULTS.md: 966.9 vs 1,010.0 us at 1B)
 
 
