@@ -363,17 +363,17 @@ def test_x_in_pieces_gives_the_register_engines_bits(arrive_all):
         assert torch.equal(pieces[k], v), k
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_x_read_in_batches_gives_the_register_engines_bits(batch):
+def test_x_read_in_batches_gives_the_register_engines_bits():
     """MEGART_DENSE_X_BATCH=N: each stager thread reads its next N chunks of x before checking the first (ffn 4,096:
-    down's x is 512 chunks, two per thread at 256 threads, so the batch of 3 has a chunk past x's end, which it
-    must skip); every tensor of two steps equals the register engine's."""
+    down's x is 512 chunks, two per thread at 256 threads, so N = 1 takes two rounds and N = 3 one with a chunk past
+    x's end, which it must skip); every tensor of two steps equals the register engine's."""
     from megart.models import llama
     cfg = llama.tiny().with_(name="tiny_ffn4k", ffn=4096)
-    pieces = _tiny_steps(cfg, {**PIECES, "MEGART_DENSE_X_BATCH": batch}, steps=2)
     regs = _tiny_steps(cfg, {"MEGART_STREAM_SLOTS": 0}, steps=2)
-    for k, v in regs.items():
-        assert torch.equal(pieces[k], v), k
+    for batch in (1, 3):
+        pieces = _tiny_steps(cfg, {**PIECES, "MEGART_DENSE_X_BATCH": batch}, steps=2)
+        for k, v in regs.items():
+            assert torch.equal(pieces[k], v), (batch, k)
 
 
 def test_hostsim_catches_a_piece_of_x_never_staged(tmp_path):
