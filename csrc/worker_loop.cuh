@@ -56,6 +56,11 @@ __device__ __forceinline__ void stage_words(TaskDesc& dst, const TaskDesc& src) 
     reinterpret_cast<unsigned long long*>(&dst)[k] = reinterpret_cast<const unsigned long long*>(&src)[k];
 }
 
+// MEGART_QUEUE_BOUNDS_SMEM (default 0): see compute().
+#ifndef MEGART_QUEUE_BOUNDS_SMEM
+#define MEGART_QUEUE_BOUNDS_SMEM 0
+#endif
+
 // The compute threads' whole launch: worker w's queue [q0, q1).
 __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, const int* __restrict__ queue_start,
                                         unsigned* events, long long* ctrl, long long* spans, long long watchdog_ns,
@@ -67,6 +72,20 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
   if (q0 < q1) stage_words(s_desc[0], descs[q0]);  // (descriptors: no step writes them)
   if (q0 + 1 < q1) stage_words(s_desc[1], descs[q0 + 1]);
   grid_dependency_wait();  // an overlapped launch: the previous step has ended (ctrl, events, activations)
+#if MEGART_QUEUE_BOUNDS_SMEM
+  // The queue's bounds re-read from shared memory where used, so no register holds them across the bodies: at
+  // the register cap they are what a kernel spills (the small model's stream build: 8 bytes, which "auto" declines).
+  __shared__ int s_bounds[2];
+  if (threadIdx.x == 0) {
+    s_bounds[0] = q0;
+    s_bounds[1] = q1;
+  }
+  auto lo = [&] { return *reinterpret_cast<volatile int*>(&s_bounds[0]); };
+  auto hi = [&] { return *reinterpret_cast<volatile int*>(&s_bounds[1]); };
+#else
+  auto lo = [&] { return q0; };
+  auto hi = [&] { return q1; };
+#endif
   if (threadIdx.x == 0) {
     s_gen = ld_relaxed(ctrl + kCtrl_step) + 1;
     s_poll.ctrl = ctrl;  // (polled reads of tagged words: csrc/tagged.cuh)
@@ -77,15 +96,15 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
   __syncthreads();
   const long long gen = s_gen;
 #ifdef MEGART_PROFILE
-  const SpanSink sink = span_sink(spans, ctrl, gen, queue_start[gridDim.x], q0, q1);
+  const SpanSink sink = span_sink(spans, ctrl, gen, queue_start[gridDim.x], lo(), hi());
 #endif
   if (q0 < q1) megart_prefetch(s_desc[0]);
   bool ok = true;
   int cur = 0;
-  for (int i = q0; i < q1; ++i) {
+  for (int i = lo(); i < hi(); ++i) {
     const int nxt = cur == 2 ? 0 : cur + 1, nxt2 = nxt == 2 ? 0 : nxt + 1;
     const TaskDesc& d = s_desc[cur];
-    if (i + 1 < q1) megart_prefetch(s_desc[nxt]);
+    if (i + 1 < hi()) megart_prefetch(s_desc[nxt]);
     megart_prewait(d, smem);  // loads that need no input (weights into shared memory) start before the wait
     if (threadIdx.x == 0) {
 #ifdef MEGART_PROFILE
@@ -93,7 +112,7 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
       //                               across the body: at the register cap they were spilled around it)
 #endif
       if (d.hdr[kHdr_flags] & kFlagSignalFirst) signal_all(d, events, ctrl);
-      const WaitSite site{w, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance]};
+      const WaitSite site{w, i - lo(), d.hdr[kHdr_type], d.hdr[kHdr_instance]};
 #if MEGART_STREAM_SLOTS > 0
       stream_note(site.queue_pos, site.type, site.instance);
 #endif
@@ -125,7 +144,7 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
     // Descriptor i+2 lands in its slot while the body runs: an asynchronous copy, so no register holds it across
     // the body (a held word was spilled around the bodies at the register cap). Not before the barrier above:
     // the slot is instance i-1's, whose signals thread 0 reads at the end of the previous iteration.
-    if (threadIdx.x < kDescWords && i + 2 < q1)
+    if (threadIdx.x < kDescWords && i + 2 < hi())
       copy_desc_word(reinterpret_cast<unsigned long long*>(&s_desc[nxt2]) + threadIdx.x,
                      reinterpret_cast<const unsigned long long*>(descs + i + 2) + threadIdx.x);
 #ifdef MEGART_PROFILE
@@ -152,7 +171,7 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
       stream_waits_finish(s_span_t[1]);
 #endif
       if (kWarpSpreadMarks && s_span_mark[0] == ~0ull) s_span_mark[0] = s_span_mark[1] = s_span_t[1];
-      span_record(sink, i - q0, d.hdr[kHdr_type], d.hdr[kHdr_instance], w, s_span_t[0], s_span_t[1], t_end, gen);
+      span_record(sink, i - lo(), d.hdr[kHdr_type], d.hdr[kHdr_instance], w, s_span_t[0], s_span_t[1], t_end, gen);
 #endif
     }
     cur = nxt;

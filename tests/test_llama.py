@@ -230,6 +230,17 @@ def test_full_size_graph_compiles_without_spills(name):
     assert "barrier" not in {i.type.name for i in s.instances}
 
 
+def test_queue_bounds_in_shared_memory_let_small_models_stream():
+    """The small, 3b and qwen3_0.6b stream builds spill 36 bytes (the worker's queue bounds, held in registers across
+    every body), so "auto" gives them the register engine. MEGART_QUEUE_BOUNDS_SMEM=1 re-reads the bounds from
+    shared memory where they are used: the small model's stream build then has no spill and streams at 5 slots."""
+    cfg = llama.config("small")
+    m = llama.LlamaModel(cfg, device="cpu", init="empty", nw=132, sm_count=132,
+                         defines={"MEGART_QUEUE_BOUNDS_SMEM": 1})
+    assert m.pk.stream_declined is None and m.pk.report.spill_bytes == 0, (m.pk.stream_declined, m.pk.report)
+    assert m.pk.stream_layout().slots == 5
+
+
 def test_short_attention_ring_where_chunks_fit():
     """attention_ring_default: a 32 KB K/V ring (one more 4 KB weight slot per compute warp) only where the
     kernel streams its weights at <= 8 compute warps in 4 KB stages, attention keeps its own ring, the GQA group
