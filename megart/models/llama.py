@@ -357,8 +357,8 @@ class LlamaModel:
         upto = self.tiles["attn_direct_upto"]
         if upto is not None:
             return upto
-        # (groups under 4: their attention body spills the stream build already, which "auto" declines; the
-        # switch is not measured there)
+        # (groups under 4: their attention body pushes the stream build past the register cap, which "auto" declines
+        # unless MEGART_QUEUE_BOUNDS_SMEM=1; the switch is not measured there)
         fits = (self.attn_merge == "auto" and self.merge_fused and not self.tagged_attn and self._stamp is None
                 and 4 <= self.cfg.group <= self.chunks)
         return min(self.direct_upto_default, self.cfg.max_seq) if fits else 0

@@ -85,7 +85,7 @@ def attention_ring_default(cfg: LlamaConfig, chunks: int, kcfg, direct: bool = F
     from ..tasks.attention_ring import ATTN_RING
     if "MEGART_ATTN_RING_BYTES" in caller_macros(kcfg) or not stream_requested(kcfg) or kv_streamed(kcfg):
         return {}
-    if cfg.group < 4:   # (smaller GQA groups: their attention body spills the stream build, which "auto" declines)
+    if cfg.group < 4:   # (smaller GQA groups: their stream build spills, which "auto" declines; not measured here)
         return {}
     try:
         stage = stage_chunks(kcfg)
