@@ -71,6 +71,7 @@ class PersistentKernel:
         self.defines = options.check_defines(defines or {})   # tuning macros (see codegen.env_defines)
         self.stream_declined = None   # why MEGART_STREAM_SLOTS=auto fell back to registers (compile), or None
         self.stream_shallower = None  # the slots "auto" settled on when its first depth did not fit (compile)
+        self.queue_bounds_smem = False  # "auto" kept the worker's queue bounds in shared memory to stream (compile)
         codegen.env_defines()                # a malformed MEGART_DEFINES fails here, naming itself
         self.peers = peers
         rank, world = (peers.rank, peers.world) if peers is not None else (0, 1)
@@ -114,6 +115,8 @@ class PersistentKernel:
         defines = self.defines
         if self.stream_declined or self.stream_shallower is not None:
             defines = {**defines, "MEGART_STREAM_SLOTS": "0" if self.stream_declined else str(self.stream_shallower)}
+        if self.queue_bounds_smem:
+            defines = {**defines, "MEGART_QUEUE_BOUNDS_SMEM": 1}
         defines = {**self._instance_macros(), **defines}
         cfg = codegen.KernelConfig(threads=self.threads, profile=self.profiling,
                                    min_blocks=max(1, math.ceil(self.nw / self.sm_count)), defines=defines,
@@ -175,6 +178,7 @@ class PersistentKernel:
         if verify:
             _verify(schedule)
         self.stream_declined = self.stream_shallower = None
+        self.queue_bounds_smem = False
         cfg = self.kernel_config()
         self.source = codegen.generate(self.task_types, cfg, self.source_overrides)
         self.compiled = compile_source(self.source, self.arch)
@@ -188,9 +192,17 @@ class PersistentKernel:
             self.stream_shallower = slots
             self.source = codegen.generate(self.task_types, self.kernel_config(), self.source_overrides)
             self.compiled = compile_source(self.source, self.arch)
+        if self.compiled.report.spill_bytes and auto and "MEGART_QUEUE_BOUNDS_SMEM" not in config.caller_macros(cfg):
+            # what such a build spills first is the worker's queue bounds, held in registers across every body (36
+            # bytes at the 168-register cap): kept in shared memory instead, the small, 3b and qwen3_0.6b models
+            # stream with no spill (bench/RESULTS.md, thirty-seventh session)
+            self.queue_bounds_smem = True
+            self.source = codegen.generate(self.task_types, self.kernel_config(), self.source_overrides)
+            self.compiled = compile_source(self.source, self.arch)
         if self.compiled.report.spill_bytes and auto:
             # "auto" streams only a kernel that compiles without spills: the compute warps' share of the
             # registers beside the producer warpgroup (232) can spill a kernel the register engine does not
+            self.queue_bounds_smem = False
             self.stream_declined = f"the stream build spilled {self.compiled.report.spill_bytes} bytes"
             self.source = codegen.generate(self.task_types, self.kernel_config(), self.source_overrides)
             self.compiled = compile_source(self.source, self.arch)

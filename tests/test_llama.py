@@ -182,9 +182,11 @@ def test_full_size_graph_compiles_without_spills(name):
     # attention's K/V ring: 32 KB where its chunks are short (llama.attention_ring_default), else 64 KB
     short = name in ("1b", "1b_fp8", "1b_fp8_split")
     assert m.attn_ring_short == short
-    # attention's switch to the direct form at short contexts, except where its second body spilled the stream
-    # build (1b_fp8_split: compile() builds without it) and for GQA groups under 4 (3b, qwen3_0.6b)
-    on = name not in ("1b_fp8_split", "3b", "qwen3_0.6b")
+    # attention's switch to the direct form at short contexts, except for GQA groups under 4 (3b, qwen3_0.6b);
+    # 1b_fp8_split's build with it streams with the queue bounds in shared memory ("auto" retries so)
+    on = name not in ("3b", "qwen3_0.6b")
+    assert m.pk.queue_bounds_smem == (name in ("1b_fp8_split", "3b", "qwen3_0.6b")), name
+    assert lay.slots == 5 if name in ("3b", "qwen3_0.6b") else lay.slots > 0
     switch = {i.params["direct_upto"] for i in m.pk.graph.instances if i.type.name == "attention_decode"}
     assert switch == ({min(llama.ATTN_DIRECT_UPTO, cfg.max_seq)} if on else {0}), switch
     assert ("#define MEGART_ATTN_SWITCH 1\n" in m.pk.source.text) == on
@@ -232,12 +234,12 @@ def test_full_size_graph_compiles_without_spills(name):
 
 def test_queue_bounds_in_shared_memory_let_small_models_stream():
     """The small, 3b and qwen3_0.6b stream builds spill 36 bytes (the worker's queue bounds, held in registers across
-    every body), so "auto" gives them the register engine. MEGART_QUEUE_BOUNDS_SMEM=1 re-reads the bounds from
-    shared memory where they are used: the small model's stream build then has no spill and streams at 5 slots."""
+    every body). "auto" then retries with MEGART_QUEUE_BOUNDS_SMEM=1 (the bounds re-read from shared memory where
+    they are used): the small model's stream build has no spill and streams at 5 slots."""
     cfg = llama.config("small")
-    m = llama.LlamaModel(cfg, device="cpu", init="empty", nw=132, sm_count=132,
-                         defines={"MEGART_QUEUE_BOUNDS_SMEM": 1})
+    m = llama.LlamaModel(cfg, device="cpu", init="empty", nw=132, sm_count=132)
     assert m.pk.stream_declined is None and m.pk.report.spill_bytes == 0, (m.pk.stream_declined, m.pk.report)
+    assert m.pk.queue_bounds_smem and "#define MEGART_QUEUE_BOUNDS_SMEM 1\n" in m.pk.source.text
     assert m.pk.stream_layout().slots == 5
 
 

@@ -316,15 +316,19 @@ def test_llama_step_streams_every_weighted_projection(cfg_name):
 
 def test_auto_declines_a_stream_that_spills():
     """"auto" (the models' default) keeps the register engine where the stream's register split would spill
-    (the tiny model's group-2 attention does), and says why; an explicit depth is honoured as asked."""
+    (the tiny model's group-2 attention does, with the worker's queue bounds in registers) and says why, after
+    first retrying with the bounds in shared memory (MEGART_QUEUE_BOUNDS_SMEM), which streams the tiny model with no
+    spill; a caller's choice of that macro is not overridden; an explicit depth is honoured as asked."""
     from megart.models import llama
     cfg = llama.tiny()
     m = llama.LlamaModel(cfg, device="cpu", init="empty", nw=4)
-    m.pk.compile()
-    assert m.pk.stream_declined and "spilled" in m.pk.stream_declined
-    assert m.pk.stream_layout().slots == 0 and m.pk.report.spill_bytes == 0
-    forced = llama.LlamaModel(cfg, device="cpu", init="empty", nw=4, defines={"MEGART_STREAM_SLOTS": 5})
-    forced.pk.compile()
+    assert m.pk.queue_bounds_smem and m.pk.stream_declined is None and m.pk.report.spill_bytes == 0
+    assert m.pk.stream_layout().slots == 5 and "#define MEGART_QUEUE_BOUNDS_SMEM 1\n" in m.pk.source.text
+    kept = llama.LlamaModel(cfg, device="cpu", init="empty", nw=4, defines={"MEGART_QUEUE_BOUNDS_SMEM": 0})
+    assert kept.pk.stream_declined and "spilled" in kept.pk.stream_declined and not kept.pk.queue_bounds_smem
+    assert kept.pk.stream_layout().slots == 0 and kept.pk.report.spill_bytes == 0
+    forced = llama.LlamaModel(cfg, device="cpu", init="empty", nw=4,
+                              defines={"MEGART_STREAM_SLOTS": 5, "MEGART_QUEUE_BOUNDS_SMEM": 0})
     assert forced.pk.stream_declined is None and forced.pk.stream_layout().slots == 5
     assert forced.pk.report.spill_bytes > 0          # what "auto" avoided
 
