@@ -183,6 +183,14 @@ class PersistentKernel:
         self.source = codegen.generate(self.task_types, cfg, self.source_overrides)
         self.compiled = compile_source(self.source, self.arch)
         auto = stream.chosen_automatically(self.task_types, cfg, self.source_overrides)
+        if auto and self.compiled.report.spill_bytes and "MEGART_QUEUE_BOUNDS_SMEM" not in config.caller_macros(cfg):
+            # what such a build spills first is the worker's queue bounds, held in registers across every body (36
+            # bytes at the 168-register cap): kept in shared memory instead (before the ring's depth is settled:
+            # they add static shared memory), the small, 3b and qwen3_0.6b models stream with no spill
+            # (bench/RESULTS.md, thirty-seventh session)
+            self.queue_bounds_smem = True
+            self.source = codegen.generate(self.task_types, self.kernel_config(), self.source_overrides)
+            self.compiled = compile_source(self.source, self.arch)
         while auto and self.compiled.report.smem_bytes + self.smem_bytes() > stream.SMEM_PER_BLOCK:
             # "auto" sized the ring against an estimate of the static shared memory; a build whose static
             # memory came out larger gets one slot fewer (down to the least depth auto streams with)
@@ -190,13 +198,6 @@ class PersistentKernel:
             if slots < stream.MIN_AUTO_SLOTS:
                 break
             self.stream_shallower = slots
-            self.source = codegen.generate(self.task_types, self.kernel_config(), self.source_overrides)
-            self.compiled = compile_source(self.source, self.arch)
-        if self.compiled.report.spill_bytes and auto and "MEGART_QUEUE_BOUNDS_SMEM" not in config.caller_macros(cfg):
-            # what such a build spills first is the worker's queue bounds, held in registers across every body (36
-            # bytes at the 168-register cap): kept in shared memory instead, the small, 3b and qwen3_0.6b models
-            # stream with no spill (bench/RESULTS.md, thirty-seventh session)
-            self.queue_bounds_smem = True
             self.source = codegen.generate(self.task_types, self.kernel_config(), self.source_overrides)
             self.compiled = compile_source(self.source, self.arch)
         if self.compiled.report.spill_bytes and auto:

@@ -429,8 +429,8 @@ class LlamaModel:
         self.pk.compile()
         if self.direct_upto_auto and (self.pk.stream_declined or self.pk.stream_shallower is not None):
             # the switch compiles a second attention body (one q head) beside the chunks' and their merge, which can
-            # tip a kernel at the edge of its registers into a spill (1b_fp8_split: 36 bytes, so no stream): there
-            # the weight stream is worth more than the switch
+            # tip a kernel at the edge of its registers into a spill that even "auto"'s retry with the queue bounds in
+            # shared memory keeps (1b_fp8_split's 36 bytes no longer do): there the weight stream is worth more
             self._set_direct_upto(0)
             self.pk.compile()
         if self.attn_ring_short and (self.pk.stream_declined or self.pk.stream_shallower is not None):
