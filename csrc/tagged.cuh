@@ -116,22 +116,9 @@ constexpr bool kDiagNoPoll = (MEGART_DIAG_NO_WAIT & 2) != 0;
 constexpr bool kDiagNoPoll = false;
 #endif
 
-// Values [i, i + 8) of tagged vector `x` (i % 8 == 0), as 8 bf16 packed in a uint4, once they carry this
-// step's tag.
-__device__ __forceinline__ uint4 ld_tagged8(const void* x, int i) {
-  const unsigned* w = static_cast<const unsigned*>(x) + i;
-  uint4 a = ld_relaxed_v4(w), b = ld_relaxed_v4(w + 4);
-  if (!kDiagNoPoll && !tags_match(a, b, s_poll.tag)) {
-    poll_spin8(w);
-    a = ld_relaxed_v4(w);
-    b = ld_relaxed_v4(w + 4);
-  }
-  return make_uint4(untag2(a.x, a.y), untag2(a.z, a.w), untag2(b.x, b.y), untag2(b.z, b.w));
-}
-
-// ld_tagged8 in two halves, so that several reads are in flight before the first is checked: issue the
-// words' loads, then (after the caller has issued its others) check them, spinning only where they are not yet
-// this step's.
+// Values [i, i + 8) of tagged vector `x` (i % 8 == 0), as 8 bf16 packed in a uint4, once they carry this step's
+// tag, in two halves, so that several reads can be in flight before the first is checked: issue the words' loads,
+// then (after the caller has issued its others) check them, spinning only where they are not yet this step's.
 struct Tagged8 {
   uint4 a, b;
 };
@@ -147,6 +134,10 @@ __device__ __forceinline__ uint4 ld_tagged8_finish(const void* x, int i, Tagged8
     t.b = ld_relaxed_v4(w + 4);
   }
   return make_uint4(untag2(t.a.x, t.a.y), untag2(t.a.z, t.a.w), untag2(t.b.x, t.b.y), untag2(t.b.z, t.b.w));
+}
+// ... both halves at once.
+__device__ __forceinline__ uint4 ld_tagged8(const void* x, int i) {
+  return ld_tagged8_finish(x, i, ld_tagged8_issue(x, i));
 }
 
 // Value i of tagged vector `x` (its bf16 bits), once it carries this step's tag.

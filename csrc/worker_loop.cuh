@@ -74,7 +74,7 @@ __device__ __forceinline__ void compute(const TaskDesc* __restrict__ descs, cons
   grid_dependency_wait();  // an overlapped launch: the previous step has ended (ctrl, events, activations)
 #if MEGART_QUEUE_BOUNDS_SMEM
   // The queue's bounds re-read from shared memory where used, so no register holds them across the bodies: at
-  // the register cap they are what a kernel spills (the small model's stream build: 8 bytes, which "auto" declines).
+  // the register cap they are what a kernel spills first (the small model's stream build: 36 bytes).
   __shared__ int s_bounds[2];
   if (threadIdx.x == 0) {
     s_bounds[0] = q0;

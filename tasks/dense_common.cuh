@@ -235,33 +235,23 @@ __device__ __forceinline__ void stage_x_pieces(const __nv_bfloat16* x, int k, ui
   unsigned long long* bars = x_piece_bars(scratch);
   if ((int)threadIdx.x < kc / kPiece) mbar_init<kXPieceArrivals<kPiece>>(bars + threadIdx.x);
   __syncthreads();  // (initialised before any arrival)
-  auto arrive = [&](int c0) {
-    if constexpr (kXArrive == 1) {
-      mbar_arrive(bars + c0 / kPiece);
-    } else {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bars + c0 / kPiece);
-    }
-  };
-  if constexpr (kBatch > 1) {  // a thread's next kBatch chunks read at once, then checked in order
-    for (int c0 = threadIdx.x - lane; c0 < kc; c0 += kBatch * MEGART_THREADS) {
-      Tagged8 t[kBatch];
+  // A thread's next kBatch chunks are read at once, then checked, stored and arrived for in order.
+  for (int c0 = threadIdx.x - lane; c0 < kc; c0 += kBatch * MEGART_THREADS) {
+    Tagged8 t[kBatch];
 #pragma unroll
-      for (int r = 0; r < kBatch; ++r)
-        if (c0 + r * MEGART_THREADS < kc) t[r] = ld_tagged8_issue(x, 8 * (c0 + r * MEGART_THREADS + lane));
+    for (int r = 0; r < kBatch; ++r)
+      if (c0 + r * MEGART_THREADS < kc) t[r] = ld_tagged8_issue(x, 8 * (c0 + r * MEGART_THREADS + lane));
 #pragma unroll
-      for (int r = 0; r < kBatch; ++r) {
-        const int c = c0 + r * MEGART_THREADS;  // (kc is whole warps: a piece is)
-        if (c < kc) {
-          xs[c + lane] = ld_tagged8_finish(x, 8 * (c + lane), t[r]);
-          arrive(c);
-        }
+    for (int r = 0; r < kBatch; ++r) {
+      const int c = c0 + r * MEGART_THREADS;  // (kc is whole warps: a piece is)
+      if (c >= kc) continue;
+      xs[c + lane] = ld_tagged8_finish(x, 8 * (c + lane), t[r]);
+      if constexpr (kXArrive == 1) {
+        mbar_arrive(bars + c / kPiece);
+      } else {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bars + c / kPiece);
       }
-    }
-  } else {
-    for (int c0 = threadIdx.x - lane; c0 < kc; c0 += MEGART_THREADS) {
-      xs[c0 + lane] = ld_tagged8(x, 8 * (c0 + lane));
-      arrive(c0);
     }
   }
   span_mark(0);  // (profiled builds: thread 0's chunks of x staged)

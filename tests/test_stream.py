@@ -384,7 +384,7 @@ def test_hostsim_catches_a_piece_of_x_never_staged(tmp_path):
     """Without the stager warps' arrival every compute warp waits on a piece that never completes: the host
     simulation reports threads stuck (on the device: the watchdog), and so shows the pieces path ran."""
     from test_dense_engines import _broken
-    src = _broken(tmp_path, "      if (lane == 0) mbar_arrive(bars + c0 / kPiece);\n", "")
+    src = _broken(tmp_path, "        if (lane == 0) mbar_arrive(bars + c / kPiece);\n", "")
     with pytest.raises(dense_hostsim.HostSimError, match="stuck"):
         _tiny_ffn_steps(PIECES, src, steps=1)
     with pytest.raises(dense_hostsim.HostSimError, match="stuck"):   # (the batched reads arrive the same way)
@@ -407,6 +407,6 @@ def test_x_in_pieces_for_fp8_gives_the_register_engines_bits(tmp_path):
     regs, pieces = _tiny_fp8_step({"MEGART_STREAM_SLOTS": 0}), _tiny_fp8_step(FP8_PIECES)
     for k, v in regs.items():
         assert torch.equal(pieces[k], v), k
-    src = _broken(tmp_path, "      if (lane == 0) mbar_arrive(bars + c0 / kPiece);\n", "")
+    src = _broken(tmp_path, "        if (lane == 0) mbar_arrive(bars + c / kPiece);\n", "")
     with pytest.raises(dense_hostsim.HostSimError, match="stuck"):
         _tiny_fp8_step(FP8_PIECES, src)
