@@ -295,9 +295,9 @@ class Graph:
             ref = inst.params[p.name]
             if p.kind != "ptr" or ref is None or ref.tensor.tagged:   # (tagged words: _tagged)
                 continue
-            lo, hi = ref.byte_range
             bucket = self._accesses.setdefault(ref.tensor.storage_key, AccessMap())
-            deps |= bucket.access(lo, hi, inst.uid, p.reads, p.writes)
+            for lo, hi in inst.type.byte_ranges(inst.params, p.name):
+                deps |= bucket.access(lo, hi, inst.uid, p.reads, p.writes)
         deps.discard(inst.uid)
         return deps
 
@@ -327,14 +327,15 @@ class Graph:
                     raise GraphError(f"{ttype.name}: {p.name!r} and {q.name!r} overlap in tagged tensor "
                                      f"{a.tensor.name!r}: an instance cannot poll words it writes (no in-place "
                                      "update of tagged words)")
-        for p in sorted(tagged, key=lambda p: not p.reads):     # reads first, against earlier writers only
+        for p, (lo, hi) in ((p, r) for p in sorted(tagged, key=lambda p: not p.reads)   # reads first, against
+                            for r in ttype.byte_ranges(params, p.name)):               # earlier writers only
             ref = params[p.name]
-            lo, hi = ref.byte_range
             t = ref.tensor
             words = maps.setdefault(t.storage_key, AccessMap())
             writers, gap = words.writers(lo, hi)
+            elem = ref.offset + (lo - ref.byte_range[0]) // t.itemsize
             where = f"{ttype.name}: {p.name!r} (tagged tensor {t.name!r}, elements " \
-                    f"[{ref.offset}, {ref.offset + ref.count}))"
+                    f"[{elem}, {elem + (hi - lo) // t.itemsize}))"
             if p.writes:
                 if writers:
                     first = min(writers)

@@ -19,8 +19,8 @@ def _writes(s: Schedule):
         for p in inst.type.params:
             ref = inst.params.get(p.name)
             if p.writes and ref is not None:
-                lo, hi = ref.byte_range
-                out[(inst.epoch, ref.tensor.storage_key)].append((lo, hi, inst.uid, ref.tensor.name))
+                for lo, hi in inst.type.byte_ranges(inst.params, p.name):
+                    out[(inst.epoch, ref.tensor.storage_key)].append((lo, hi, inst.uid, ref.tensor.name))
     return out
 
 

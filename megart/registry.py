@@ -131,6 +131,9 @@ class TaskType:
     macros_for: Callable | None = None    # macros_for([params of the kernel's instances of this type], threads)
     #                                       -> {macro: int}: code only some instances need, compiled in only
     #                                       then (types asking for one macro get the largest value)
+    writes_of: Callable | None = None  # writes_of(params) -> {pointer param: [(lo, hi) elements of its ref]}: what
+    #                                   an instance writes where that is not its whole ref (rows dealt in rounds);
+    #                                   the graph's dependencies and tagged-word checks use these ranges
     headers: tuple = ()               # shared device headers the body needs, emitted once per kernel
     hostsim: bool = False             # the body also compiles for the host (its PTX-only pieces have host forms
     #                                   under #ifndef __CUDA_ARCH__): the host simulation runs it (megart/emulate)
@@ -171,6 +174,20 @@ class TaskType:
     def shared_bytes(self, cfg) -> int:
         """Dynamic shared memory one instance needs in a kernel built with `cfg` (codegen.KernelConfig)."""
         return int(self.smem_for(cfg)) if self.smem_for else self.smem_bytes
+
+    def elem_ranges(self, params: dict, name: str) -> list[tuple[int, int]]:
+        """The elements of its tensor an instance with `params` touches through pointer parameter `name`: its
+        ref's, or the parts of them the type declares it writes (writes_of)."""
+        ref = params[name]
+        parts = self.writes_of(params).get(name) if self.writes_of else None
+        if parts is None:
+            return [(ref.offset, ref.offset + ref.count)]
+        return [(ref.offset + a, ref.offset + b) for a, b in parts]
+
+    def byte_ranges(self, params: dict, name: str) -> list[tuple[int, int]]:
+        """elem_ranges as device byte ranges."""
+        t = params[name].tensor
+        return [(t.ptr + a * t.itemsize, t.ptr + b * t.itemsize) for a, b in self.elem_ranges(params, name)]
 
     def param(self, name: str) -> Param:
         for p in self.params:

@@ -20,18 +20,20 @@ def main(argv=None) -> int:
     ap.add_argument("--tagged-attn", action="store_true",
                     help="the tagged qkv -> attention edge (LlamaModel(tagged_attn=True), off by default)")
     ap.add_argument("--attn-merge", default="auto", help="LlamaModel(attn_merge=...): auto, fused, call, direct")
+    ap.add_argument("--tiles", default="", help="LlamaModel(tiles=...) entries, NAME=INT,... (e.g. gate_up_rounds=8)")
     args = ap.parse_args(argv)
     cfg = llama.config(args.config)
     if args.layers:
         cfg = dataclasses.replace(cfg, layers=args.layers)
     defines = dict(x.split("=", 1) for x in args.defines.split(",") if x)
+    tiles = {k: int(v) for k, v in (x.split("=", 1) for x in args.tiles.split(",") if x)}
     m = llama.LlamaModel(cfg, device="cuda", defines=defines, watchdog_s=60, tagged_attn=args.tagged_attn,
-                         attn_merge=args.attn_merge)
+                         attn_merge=args.attn_merge, tiles=tiles)
     for _ in range(args.steps):
         m.step()
     m.sync()
     print(f"sanitize_step: {cfg.name} {cfg.layers} layers, {args.steps} steps, defines {defines}, "
-          f"tagged_attn {args.tagged_attn}, attn_merge {m.attn_merge}: ok, "
+          f"tiles {tiles}, tagged_attn {args.tagged_attn}, attn_merge {m.attn_merge}: ok, "
           f"stream slots {m.pk.stream_layout().slots}")
     return 0
 

@@ -26,17 +26,24 @@ __device__ __forceinline__ MatvecPlan<PairRows> pair_plan(const void* w, int n, 
                               PairRows{reinterpret_cast<const char*>(w), n, (FP8 ? 1ll : 2ll) * k}};
 }
 
-// gate_up_silu / gate_up_silu_fp8: group g is (gate row g, up row g), rows of k elements (bf16 or e4m3).
+// gate_up_silu / gate_up_silu_fp8: group g is (gate row r, up row r) and h[r], r = row(g) (g itself, or the
+// instance's rows dealt in rounds: RowMap), rows of k elements (bf16 or e4m3).
 template <bool FP8, class P>
 struct GateUpRows {
   const P& p;
   static constexpr long long kElem = FP8 ? 1 : 2;
+  __device__ __forceinline__ int row(int g) const { return row_map(p)(g); }
   __device__ __forceinline__ void operator()(int g, const void* (&w)[2]) const {
-    w[0] = reinterpret_cast<const char*>(p.w_gate) + (size_t)g * p.k * kElem;
-    w[1] = reinterpret_cast<const char*>(p.w_up) + (size_t)g * p.k * kElem;
+    w[0] = reinterpret_cast<const char*>(p.w_gate) + (size_t)row(g) * p.k * kElem;
+    w[1] = reinterpret_cast<const char*>(p.w_up) + (size_t)row(g) * p.k * kElem;
   }
   __device__ __forceinline__ StreamRows stream_rows() const {  // (the weight stream)
+#if MEGART_DENSE_ROW_ROUNDS
+    return StreamRows(reinterpret_cast<const char*>(p.w_gate), reinterpret_cast<const char*>(p.w_up), kElem * p.k,
+                      p.n, row_map(p));
+#else
     return {reinterpret_cast<const char*>(p.w_gate), reinterpret_cast<const char*>(p.w_up), kElem * p.k, p.n};
+#endif
   }
 };
 template <bool FP8, class P>
@@ -109,20 +116,21 @@ __device__ __forceinline__ void gate_up_body(const P& p, const MatvecPlan<Rows>&
   const int lane = threadIdx.x & 31;
   const bool tag_out = p.flags & kFlagTaggedOut;
   auto epi = [&](int g, float gate, float up) {
+    const int r = plan.rows.row(g);
     if constexpr (FP8) {
-      gate *= __ldg(s_gate + g);
-      up *= __ldg(s_up + g);
+      gate *= __ldg(s_gate + r);
+      up *= __ldg(s_up + r);
     }
     const __nv_bfloat16 h = __float2bfloat16_rn(silu(gate) * up);
     if (lane == 0) {
-      if (tag_out) st_tagged(p.h, g, h);
-      else p.h[g] = h;
+      if (tag_out) st_tagged(p.h, r, h);
+      else p.h[r] = h;
     }
   };
   matvec_prewaited<FP8, P>(plan, xs, scratch_of(smem), epi, smem, [&](int g) {
     if constexpr (FP8) {
-      prefetch_l1(s_gate + g);
-      prefetch_l1(s_up + g);
+      prefetch_l1(s_gate + plan.rows.row(g));
+      prefetch_l1(s_up + plan.rows.row(g));
     }
   });
 }

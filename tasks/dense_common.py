@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import GraphError
 from ..registry import header_constants, ptr, scalar
 from ..tensors import DTYPES, TensorRef, as_ref
 from .tiling import even_tiles, require
@@ -97,18 +98,25 @@ def tagged_flag(p) -> bool:
     return bool(p.get("flags", 0) & FLAG_TAGGED_X)
 
 
-def matvec_macros(pairs, tagged_x=None):
+def matvec_macros(pairs, tagged_x=None, rounds=None):
     """TaskType.macros_for of a matvec type whose instance `p` has pairs(p) row pairs. MEGART_DENSE_KSPLIT=1 when
     one of them would take the K-split path, else 0 (the path is ~80 KB of code that a step whose instances all
     deal whole pairs never runs; the 1B step measured 8-15 us faster without it). For a type with an x-in-pieces
     path (gemv_m1, gemv_m1_fp8: tagged_x given), MEGART_DENSE_TAGGED_X=1 when one instance reads a tagged x
     (tagged_x(p)), else 0: only such an x is staged in pieces (MEGART_DENSE_X_PIECES), and a kernel without one
-    leaves that code out (with the K-split path, it made the dense engines' kernels spill)."""
+    leaves that code out (with the K-split path, it made the dense engines' kernels spill). For gate_up_silu
+    (rounds given), MEGART_DENSE_ROW_ROUNDS=1 when an instance's rows are dealt in rounds (rounds(p))."""
     def macros(params, threads: int) -> dict:
         least = whole_pairs_from(threads)
         out = {"MEGART_DENSE_KSPLIT": int(any(pairs(p) < least for p in params))}
         if tagged_x is not None:
             out["MEGART_DENSE_TAGGED_X"] = int(any(tagged_x(p) for p in params))
+        widths = {rounds(p) for p in params} - {0} if rounds is not None else set()
+        if len(widths) > 1:
+            raise GraphError(f"rows dealt in rounds of different widths {sorted(widths)} in one kernel: the device "
+                             "code takes one width (MEGART_DENSE_ROW_ROUNDS)")
+        if widths:
+            out["MEGART_DENSE_ROW_ROUNDS"] = widths.pop()
         return out
     return macros
 

@@ -344,14 +344,64 @@ __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, floa
   combine_split(s, groups, red, epi);
 }
 
-// A plan's rows as the weight stream's producer caches them: group g's two rows start at a + g * step and
-// (g < pair_end ? b + g * step : the first row again).
+// Where group g's rows lie: g itself, or with rows dealt in rounds (tasks/tiling.py round_rows; compiled in only
+// where an instance has them: MEGART_DENSE_ROW_ROUNDS = the round width W, which tasks/dense_common.py checks every
+// such instance of the kernel shares) g < full at (g / W) * stride + first + g % W and later ones at tail + g - full.
+// The map is 16-bit (tasks/dense_matvec.py refuses rows past 65,535) so the stream's cursor keeps its size.
+#ifndef MEGART_DENSE_ROW_ROUNDS
+#define MEGART_DENSE_ROW_ROUNDS 0
+#endif
+#if MEGART_DENSE_ROW_ROUNDS
+constexpr unsigned kRoundWidth = MEGART_DENSE_ROW_ROUNDS;
+static_assert((kRoundWidth & (kRoundWidth - 1)) == 0, "MEGART_DENSE_ROW_ROUNDS is a power of two");
+struct RowMap {
+  unsigned short first, stride, full, tail;  // (all zero: g)
+  __device__ __forceinline__ int operator()(int g) const {
+    const unsigned u = (unsigned)g;
+    return u < full ? (int)((u / kRoundWidth) * stride + first + u % kRoundWidth) : (int)(tail + u - full);
+  }
+};
+template <class P>
+__device__ __forceinline__ RowMap row_map(const P& p) {
+  return RowMap{(unsigned short)p.row_first, (unsigned short)p.row_stride, (unsigned short)p.row_full,
+                (unsigned short)p.row_tail};
+}
+#else
+struct RowMap {
+  __device__ __forceinline__ int operator()(int g) const { return g; }
+};
+template <class P>
+__device__ __forceinline__ RowMap row_map(const P&) {
+  return RowMap{};
+}
+#endif
+
+// A plan's rows as the weight stream's producer caches them: group g's two rows start at a + map(g) * step and
+// (g < pair_end ? b + map(g) * step : the first row again). (With rows in rounds the step is 32-bit, so the map fits
+// the 8 bytes the 64-bit step's struct leaves as padding.)
+#if MEGART_DENSE_ROW_ROUNDS
+struct StreamRows {
+  const char* a;
+  const char* b;
+  int step;
+  int pair_end;
+  RowMap map;
+  StreamRows() = default;
+  __device__ __forceinline__ StreamRows(const char* a_, const char* b_, long long step_, int pair_end_,
+                                        RowMap map_ = RowMap{})
+      : a(a_), b(b_), step((int)step_), pair_end(pair_end_), map(map_) {}
+  __device__ __forceinline__ long long offset(int g) const { return (long long)map(g) * step; }
+};
+static_assert(sizeof(StreamRows) == 32, "rows in rounds keep the stream's cursor size");
+#else
 struct StreamRows {
   const char* a;
   const char* b;
   long long step;
   int pair_end;
+  __device__ __forceinline__ long long offset(int g) const { return (long long)g * step; }
 };
+#endif
 
 // ---- the weight stream's dense stage format (csrc/weight_stream.cuh) ------------------------------
 // A streamed dense type's stream is its MatvecPlan walked by StageCursor: for each warp, the same stages
@@ -383,7 +433,7 @@ __device__ __forceinline__ bool dense_stage_next(WarpStream& ws, int warp, int s
   dense::DenseStreamState& s = *reinterpret_cast<dense::DenseStreamState*>(ws.cursor);
   dense::StageCursor& st = s.st;
   if (!st.live) return false;
-  const long long off = (long long)st.s.g * s.rows.step;
+  const long long off = s.rows.offset(st.s.g);
   const char* r0 = s.rows.a + off;
   const char* r1 = st.s.g < s.rows.pair_end ? s.rows.b + off : r0;
   const int n = min(dense::kStageChunks, st.s.c1 - st.c);

@@ -35,3 +35,32 @@ def pos_stamp_ref(task: str, pos_stamp):
     r = as_ref(pos_stamp, "pos_stamp")
     require(r.tensor.tagged and r.count == 1, task, "pos_stamp must be one tagged word (megart.tagged.empty(1))")
     return r
+
+
+def round_rows(n: int, tiles: int, width: int, rotate: int = 0) -> list[dict]:
+    """Deal rows [0, n) to `tiles` instances in rounds: round j gives instance i rows [j*width*T + i*width, +width)
+    (T = the instance count), as many whole rounds as fit; the rows left after them are dealt as contiguous tiles
+    (even_tiles, `rotate` as there). An instance whose compute warps walk its rows in order (warp w takes rows w,
+    w + width, ... at width = the warp count) then finishes [0, n) front to back with every other instance, so
+    a consumer that reads the output in pieces finds its first pieces complete long before the call ends.
+    Each dict: `n` (the instance's rows), its row map (row_first, row_stride, row_full, row_tail, row_wlog: local
+    row g < row_full is (g >> row_wlog) * row_stride + row_first + g % width, later ones row_tail + g - row_full)
+    and `ranges`, the [lo, hi) row ranges it covers."""
+    if width < 1 or width & (width - 1):
+        raise GraphError(f"the round width must be a power of two >= 1, got {width}")
+    tiles = max(1, min(tiles, n))
+    rounds = n // (width * tiles)
+    stride = width * tiles
+    done = rounds * stride
+    tails = even_tiles(n - done, tiles, rotate=rotate) if n > done else []
+    out = []
+    for i in range(tiles):
+        lo, hi = tails[i] if i < len(tails) else (0, 0)
+        ranges = [(j * stride + i * width, j * stride + (i + 1) * width) for j in range(rounds)]
+        if hi > lo:
+            ranges.append((done + lo, done + hi))
+        if not ranges:
+            continue
+        out.append(dict(n=rounds * width + hi - lo, row_first=i * width, row_stride=stride, row_full=rounds * width,
+                        row_tail=done + lo, row_wlog=width.bit_length() - 1, ranges=ranges))
+    return out

@@ -365,6 +365,27 @@ def test_call_index_and_breakdown_cover_every_instance():
     assert sum(r["last_phases_us"][2] for r in rows) > 0
 
 
+def test_gate_up_in_rounds_gives_the_same_bits():
+    """tiles["gate_up_rounds"] = 8: gate_up deals h's rows in rounds of 8 per instance (the call completes h front to
+    back); the host-run step gives the contiguous tiles' bits, and a bad width or a tensor-parallel rank is refused."""
+    cfg = llama.tiny()
+    W, kv = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
+    one = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW)
+    rnd = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW, tiles={"gate_up_rounds": 8})
+    first = rnd.pk.graph.instances[rnd.groups["L0.gate_up"].uids[1]].params
+    assert (first["row_first"], first["row_stride"], first["row_full"]) == (8, 8 * NW, 8 * (cfg.ffn // (8 * NW)))
+    assert rnd.pk.kernel_config().defines["MEGART_DENSE_ROW_ROUNDS"] == 8
+    assert rnd.pk.stream_layout().slots == one.pk.stream_layout().slots > 0
+    toks = [(int(one.step(5, cfg.prefill)[1]), int(rnd.step(5, cfg.prefill)[1]))]
+    toks += [(int(one.step()[1]), int(rnd.step()[1]))]
+    assert all(a == b for a, b in toks) and torch.equal(one.logits, rnd.logits)
+    for bad in (-8, 3, True, 2.0):
+        with pytest.raises(ValueError, match="gate_up_rounds"):
+            llama.LlamaModel(cfg, device="cpu", init="empty", nw=NW, tiles={"gate_up_rounds": bad}, compile=False)
+    with pytest.raises(ValueError, match="gate_up_rounds"):
+        llama_tp.LlamaTPGroup(cfg, 2, nw=4, tiles={"gate_up_rounds": 8})
+
+
 def test_gate_up_in_parts_gives_the_same_bits():
     """tiles["gate_up_parts"] = 2: gate_up_silu as two calls over h's halves (down waits for both); the host-run
     step gives the one call's bits, and bad part counts or an fp8 model are refused."""

@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megart import GraphError
+import megart
+from megart import GraphError, tagged
 from megart.geometry import dense as geo
 from megart.tasks import dense as dense_tasks
 
-from dense_checks import bf16, gate, kernel, run
+from dense_checks import NW, bf16, gate, kernel, run
 
 # ---- gemv_m1 -------------------------------------------------------------------------------------------
 GEMV_SHAPES = [
@@ -299,6 +300,80 @@ def test_gate_up_silu_rotates_its_larger_tiles():
     g = pk.task("gate_up_silu", h=pk.tensor(torch.zeros(10, dtype=torch.bfloat16), "h"), w_gate=wg, w_up=wu, x=x,
                 tiles=4, rotate=2)
     assert [pk.graph.instances[u].params["n"] for u in g.uids] == [2, 2, 3, 3]
+
+
+def test_round_rows_deal_every_row_once_in_rounds():
+    """round_rows: rounds of `width` rows per instance, then contiguous tails; every row once, sizes within one."""
+    from megart.tasks.tiling import round_rows
+    for n, tiles, width in ((8192, 132, 8), (1000, 7, 8), (64, 8, 8), (5, 8, 4), (100, 3, 1)):
+        deal = round_rows(n, tiles, width)
+        rows = sorted(r for d in deal for lo, hi in d["ranges"] for r in range(lo, hi))
+        assert rows == list(range(n)), (n, tiles, width)
+        assert all(d["n"] == sum(hi - lo for lo, hi in d["ranges"]) for d in deal)
+        assert max(d["n"] for d in deal) - min(d["n"] for d in deal) <= 1
+    d = round_rows(1000, 7, 8)      # 17 rounds of 56 rows, then 48 rows as 7 tails of 7 or 6
+    assert d[2]["ranges"][:2] == [(16, 24), (72, 80)] and d[2]["ranges"][-1] == (952 + 14, 952 + 21)
+    with pytest.raises(GraphError, match="power of two"):
+        round_rows(64, 4, 3)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("stream", [False, True], ids=["registers", "stream"])
+def test_gate_up_silu_in_rounds(fp8, stream):
+    """rounds=W: each instance's rows dealt in rounds of W (tasks/tiling.py round_rows) give the contiguous tiles'
+    h bit for bit, on the register engine and the weight stream, host-run and emulated; the graph sees each
+    instance write only its rows of the tagged h (a reader polls all of h after the call)."""
+    f, k, tiles = 1000, 264 if not fp8 else 256, 7
+    wg, x = geo.dense_m1(f, k, seed=41)
+    wu, _ = geo.dense_m1(f, k, seed=42)
+    g = geo.norm_weight(k, seed=43)
+    outs = {}
+    for rounds in (0, 8):
+        pk = megart.PersistentKernel(nw=NW, device="cpu", defines={"MEGART_STREAM_SLOTS": 4} if stream else None)
+        T = pk.tensor
+        H = T(tagged.empty(f), "h", tagged=True)
+        y = T(torch.zeros(8, dtype=torch.bfloat16), "y")
+        if fp8:
+            (wg8, sg), (wu8, su) = geo.quantize_fp8_per_channel(wg), geo.quantize_fp8_per_channel(wu)
+            wts = dict(w_gate=T(wg8, "wg8"), w_up=T(wu8, "wu8"), s_gate=T(sg, "sg"), s_up=T(su, "su"))
+        else:
+            wts = dict(w_gate=T(wg, "wg"), w_up=T(wu, "wu"))
+        gu = pk.task("gate_up_silu_fp8" if fp8 else "gate_up_silu", h=H, x=T(x, "x"), norm_weight=T(g, "g"),
+                     tiles=tiles, **wts, **({"rounds": rounds} if rounds else {}))
+        pk.task("gemv_m1", y=y, w=T(torch.zeros(8, f, dtype=torch.bfloat16), "wd"), x=H, tiles=2)
+        if rounds:
+            insts = [pk.graph.instances[u] for u in gu.uids]
+            assert [i.params["n"] for i in insts] == [143, 143, 143, 143, 143, 143, 142]
+            assert insts[1].params["row_full"] == 136 and insts[1].params["row_stride"] == 56
+            assert insts[1].type.elem_ranges(insts[1].params, "h")[:2] == [(8, 16), (64, 72)]
+        emu, dev = run(pk)
+        outs[rounds] = (tagged.values(emu["h"]), tagged.values(dev["h"]))
+    assert torch.equal(outs[0][1], outs[8][1]) and torch.equal(outs[0][0], outs[8][0])
+
+
+def test_gate_up_silu_rounds_rejects():
+    pk = kernel(4)
+    T = pk.tensor
+    args = dict(h=T(torch.zeros(16, dtype=torch.bfloat16), "h"), w_gate=T(torch.zeros(16, 64, dtype=torch.bfloat16), "wg"),
+                w_up=T(torch.zeros(16, 64, dtype=torch.bfloat16), "wu"), x=T(torch.zeros(64, dtype=torch.bfloat16), "x"))
+    for bad in (-1, 3, 1.0, True):
+        with pytest.raises(GraphError, match="rounds must be"):
+            pk.task("gate_up_silu", **args, rounds=bad)
+    with pytest.raises(GraphError, match="does not take parts"):
+        pk.task("gate_up_silu", **args, rounds=4, parts=T(torch.zeros(128), "parts"), tp=2,
+                x_out=T(torch.zeros(64, dtype=torch.bfloat16), "x_out"))
+    big = 1 << 16
+    with pytest.raises(GraphError, match="at most 65,535 rows"):
+        pk.task("gate_up_silu", h=T(torch.zeros(big, dtype=torch.bfloat16), "hb"),
+                w_gate=T(torch.zeros(big, 8, dtype=torch.bfloat16), "wgb"),
+                w_up=T(torch.zeros(big, 8, dtype=torch.bfloat16), "wub"), x=T(torch.zeros(8, dtype=torch.bfloat16), "xb"),
+                rounds=4)
+    assert not pk.graph.instances
+    # two widths in one kernel: the device code takes one
+    pk.task("gate_up_silu", **args, rounds=4, tiles=2)
+    pk.task("gate_up_silu", **{**args, "h": T(torch.zeros(16, dtype=torch.bfloat16), "h2")}, rounds=2, tiles=2)
+    with pytest.raises(GraphError, match="different widths"):
+        pk.compile()
 
 
 # ---- silu_mul / rmsnorm / embedding ----------------------------------------------------------------------

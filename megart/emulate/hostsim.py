@@ -464,7 +464,8 @@ def run(pk, steps: int = 1, seed: int = 0) -> dict:
         for p in inst.type.params:
             ref = inst.params.get(p.name)
             if p.writes and ref is not None and ref.tensor.tagged:
-                stamp(host[ref.tensor.name].view(-1)[ref.offset:ref.offset + ref.count], pk._hostsim_steps)
+                for lo, hi in inst.type.elem_ranges(inst.params, p.name):
+                    stamp(host[ref.tensor.name].view(-1)[lo:hi], pk._hostsim_steps)
 
     def check_stream_drained():
         for w, st in states.items():

@@ -165,6 +165,10 @@ class LlamaModel:
                              f"{gate_up_part_align(cfg)}-row multiples), got {parts!r}")
         if parts > 1 and cfg.wdtype == "fp8":
             raise ValueError("tiles['gate_up_parts'] applies to the bf16 gate_up_silu; this model's weights are fp8")
+        rounds = self.tiles["gate_up_rounds"]
+        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0 or rounds & (rounds - 1):
+            raise ValueError(f"tiles['gate_up_rounds'] must be 0 (contiguous tiles) or a power of two (h's rows per "
+                             f"gate_up instance per round), got {rounds!r}")
         self.deps = deps
         self.kv_refs = kv_refs
         self.attn_merge = attn_merge
@@ -399,10 +403,14 @@ class LlamaModel:
             calls.append(self._task(p + ("gate_up" if i == 0 else f"gate_up{i}"), "gate_up_silu", [g_o],
                                     h=h.ref(lo, hi - lo), w_gate=wg.ref(lo * c.d, (hi - lo) * c.d),
                                     w_up=wu.ref(lo * c.d, (hi - lo) * c.d), x=xm, norm_weight=g, eps=eps,
-                                    tiles=tl["gate_up"], **({"rotate": rotate} if rotate else {})))
+                                    tiles=tl["gate_up"], **({"rotate": rotate} if rotate else {}), **self._rounds()))
             # the next part's larger tiles begin where this part's end, so no worker takes a row more in every part
             rotate = (rotate + (hi - lo) % tl["gate_up"]) % tl["gate_up"]
         return calls
+
+    def _rounds(self) -> dict:
+        """gate_up's row dealing: tiles["gate_up_rounds"] rows per instance per round, or contiguous tiles."""
+        return {"rounds": self.tiles["gate_up_rounds"]} if self.tiles["gate_up_rounds"] else {}
 
     def _gate_up_fp8(self, p, L, h, xm, g_o):
         """cfg.fp8_gate_up "split": one gemv_m1_fp8 over the stacked [2 ffn, d] gate|up matrix (fused
@@ -414,7 +422,7 @@ class LlamaModel:
             return self._task(p + "gate_up", "gate_up_silu_fp8", [g_o], h=h, w_gate=wgu.ref(0, c.ffn * c.d),
                               w_up=wgu.ref(c.ffn * c.d, c.ffn * c.d), s_gate=swgu.ref(0, c.ffn),
                               s_up=swgu.ref(c.ffn, c.ffn), x=xm, norm_weight=T(L["post_norm"], p + "post_norm"),
-                              eps=c.eps, tiles=self.tiles["gate_up"])
+                              eps=c.eps, tiles=self.tiles["gate_up"], **self._rounds())
         gu = torch.zeros(2 * c.ffn, dtype=torch.bfloat16, device=self.device)
         self.gu = getattr(self, "gu", []) + [gu]
         gut = T(gu, p + "gu")

@@ -45,6 +45,8 @@ def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
         o=nw,
         gate_up=nw,
         gate_up_parts=1,   # gate_up_silu as this many calls over h's consecutive parts (bf16; an experiment)
+        gate_up_rounds=0,  # > 0 (a power of two): gate_up deals h's rows in rounds of this many per instance, so
+        #                    the call completes h front to back (tasks/tiling.py round_rows); 0: contiguous tiles
         down=nw,
         lm=nw if cfg.vocab >= nw else cfg.vocab,
         silu_mul=max(1, min(nw, cfg.ffn // 256)),

@@ -140,6 +140,8 @@ class LlamaTPRank(LlamaModel):
         self.attn_chunks = attn_chunks if "attn_chunks" not in (tiles or {}) else "tiles"
         if (tiles or {}).get("gate_up_parts", 1) != 1:
             raise ValueError("tiles['gate_up_parts'] applies to the one-GPU model; a rank's gate_up folds the all-reduce")
+        if (tiles or {}).get("gate_up_rounds", 0) != 0:
+            raise ValueError("tiles['gate_up_rounds'] applies to the one-GPU model; a rank's gate_up folds the all-reduce")
         # already this rank's shards (empty_shard, or a loader that shards on the way in): taken as they are
         W = weights if weights.cfg == lc else shard_weights(weights, self.rank, self.world)
         shard = kv if kv[0][0].shape[0] == lc.n_kv else shard_kv(kv, cfg, self.rank, self.world)
