@@ -366,12 +366,17 @@ def test_call_index_and_breakdown_cover_every_instance():
 
 
 def test_gate_up_in_rounds_gives_the_same_bits():
-    """tiles["gate_up_rounds"] = 8: gate_up deals h's rows in rounds of 8 per instance (the call completes h front to
-    back); the host-run step gives the contiguous tiles' bits, and a bad width or a tensor-parallel rank is refused."""
+    """tiles["gate_up_rounds"] = 8 (the default of a bf16 model at 8 compute warps): gate_up deals h's rows in rounds
+    of 8 per instance (the call completes h front to back); the host-run step gives the contiguous tiles' bits
+    (gate_up_rounds=0), and a bad width or a tensor-parallel rank is refused."""
+    from megart.models.llama_defaults import gate_up_rounds_default
     cfg = llama.tiny()
+    assert gate_up_rounds_default(cfg, 256) == 8 and gate_up_rounds_default(cfg, 384) == 0
+    assert gate_up_rounds_default(llama.config("tiny_fp8"), 256) == 0
     W, kv = llama.make_weights(cfg, 0), llama.make_kv_cache(cfg, 1)
-    one = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW)
-    rnd = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW, tiles={"gate_up_rounds": 8})
+    one = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW, tiles={"gate_up_rounds": 0})
+    rnd = llama.LlamaModel(cfg, W, clone_kv(kv), device="cpu", nw=NW)
+    assert rnd.tiles["gate_up_rounds"] == 8 and "MEGART_DENSE_ROW_ROUNDS" not in one.pk.kernel_config().defines
     first = rnd.pk.graph.instances[rnd.groups["L0.gate_up"].uids[1]].params
     assert (first["row_first"], first["row_stride"], first["row_full"]) == (8, 8 * NW, 8 * (cfg.ffn // (8 * NW)))
     assert rnd.pk.kernel_config().defines["MEGART_DENSE_ROW_ROUNDS"] == 8

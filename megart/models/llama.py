@@ -57,6 +57,7 @@ from ..geometry.attention import attention_chunks
 from .call_breakdown import call_breakdown, call_index, call_kind
 from .llama_defaults import (ATTN_DIRECT_UPTO, ATTN_MERGE, ATTN_MIN_CHUNK, DIRECT_WIDTH, SHORT_ATTN_RING,  # noqa: F401
                              STREAM_DEFAULT, attention_defines, attention_ring_default, default_threads, default_tiles,
+                             gate_up_rounds_default,
                              gate_up_part_align, merge_active_default, merge_fused, merge_shape_defines,
                              stream_default)
 from .llama_config import (CONFIGS, LlamaConfig, LlamaWeights, block_8b, clone_kv, config, llama_1b,  # noqa: F401
@@ -158,7 +159,8 @@ class LlamaModel:
                                             **stream_default(defines, self.stream_slots_default),
                                             **(defines or {})}, peers=peers)
         self.nw = self.pk.nw
-        self.tiles = {**default_tiles(cfg, self.nw), **(tiles or {})}
+        self.tiles = {**default_tiles(cfg, self.nw), "gate_up_rounds": gate_up_rounds_default(cfg, self.pk.threads),
+                      **(tiles or {})}
         parts, most = self.tiles["gate_up_parts"], cfg.ffn // gate_up_part_align(cfg)
         if not isinstance(parts, int) or isinstance(parts, bool) or not 1 <= parts <= most:
             raise ValueError(f"tiles['gate_up_parts'] must be an integer in [1, {most}] (parts of h of "

@@ -45,12 +45,23 @@ def default_tiles(cfg: LlamaConfig, nw: int) -> dict:
         o=nw,
         gate_up=nw,
         gate_up_parts=1,   # gate_up_silu as this many calls over h's consecutive parts (bf16; an experiment)
-        gate_up_rounds=0,  # > 0 (a power of two): gate_up deals h's rows in rounds of this many per instance, so
-        #                    the call completes h front to back (tasks/tiling.py round_rows); 0: contiguous tiles
+        # gate_up_rounds: LlamaModel sets it from the CTA's warps (gate_up_rounds_default) unless tiles name it
         down=nw,
         lm=nw if cfg.vocab >= nw else cfg.vocab,
         silu_mul=max(1, min(nw, cfg.ffn // 256)),
     )
+
+
+def gate_up_rounds_default(cfg: LlamaConfig, threads: int) -> int:
+    """tiles["gate_up_rounds"] unless the caller names it: gate_up deals h's rows in rounds of one row per compute
+    warp (gate_up_silu's rounds), so the call completes h front to back and down begins on its first pieces early
+    (H100, one process: 1b -8.5 us/step at 2k, -10.5 at 128 tokens, -8.3 at 32k, block8b -3.8, small level;
+    bench/RESULTS.md, thirty-eighth session). 0 (contiguous tiles) for fp8 weights (1b_fp8_all, 12 warps in rounds
+    of 8: +2 to +3 us), where the warp count is not a power of two, or past the row map's 65,535 rows."""
+    warps = threads // 32
+    if cfg.wdtype == "fp8" or warps & (warps - 1) or cfg.ffn >= 1 << 16:
+        return 0
+    return warps
 
 
 def gate_up_part_align(cfg: LlamaConfig) -> int:
