@@ -346,14 +346,14 @@ __device__ __forceinline__ void matvec(int groups, int kc, const uint4* xs, floa
 
 // Where group g's rows lie: g itself, or with rows dealt in rounds (tasks/tiling.py round_rows; compiled in only
 // where an instance has them: MEGART_DENSE_ROW_ROUNDS = the round width W, which tasks/dense_common.py checks every
-// such instance of the kernel shares) g < full at (g / W) * stride + first + g % W and later ones at tail + g - full.
+// such instance of the kernel shares; a constant, so the division is a multiply) g < full at (g / W) * stride + first
+// + g % W and later ones at tail + g - full.
 // The map is 16-bit (tasks/dense_matvec.py refuses rows past 65,535) so the stream's cursor keeps its size.
 #ifndef MEGART_DENSE_ROW_ROUNDS
 #define MEGART_DENSE_ROW_ROUNDS 0
 #endif
 #if MEGART_DENSE_ROW_ROUNDS
 constexpr unsigned kRoundWidth = MEGART_DENSE_ROW_ROUNDS;
-static_assert((kRoundWidth & (kRoundWidth - 1)) == 0, "MEGART_DENSE_ROW_ROUNDS is a power of two");
 struct RowMap {
   unsigned short first, stride, full, tail;  // (all zero: g)
   __device__ __forceinline__ int operator()(int g) const {

@@ -196,19 +196,20 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
     disjoint(task, h, "h", x, "x")
     require(isinstance(rotate, int) and not isinstance(rotate, bool) and rotate >= 0, task,
             f"rotate must be an int >= 0 (the instance the larger tiles begin at), got {rotate!r}")
-    require(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 0 and not rounds & (rounds - 1),
-            task, f"rounds must be 0 (contiguous tiles) or a power of two (rows per instance per round), got {rounds!r}")
+    require(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 0, task,
+            f"rounds must be 0 (contiguous tiles) or the rows per instance per round (>= 1), got {rounds!r}")
     require(not rounds or (parts is None and x_out is None), task,
             "rounds (rows dealt in rounds) does not take parts / x_out (a folded all-reduce)")
     require(not rounds or f < 1 << 16, task, f"rounds (rows dealt in rounds) takes h of at most 65,535 rows, got {f}")
     fold = FLAG_PARTS if parts is not None else 0
     flags = (FLAG_NORM if g is not None else 0) | fold | tagged_flags(x=x, out=h)
-    if rounds:   # every instance sees the whole tensors; its row map says which rows are its own
+    deal = round_rows(f, tiles, rounds, rotate) if rounds else []
+    if any(d["row_full"] for d in deal):   # every instance sees the whole tensors; its row map says which rows are
         return [dict(h=h, w_gate=wg, w_up=wu, x=x, norm_weight=g, n=d["n"], k=k, flags=flags, eps=float(eps),
                      **fold_pieces(task, x, [], None, 0, None, 1)[0], **scales,
-                     **{m: d[m] for m in ROW_MAP})
-                for d in round_rows(f, tiles, rounds, rotate)]
-    rows = even_tiles(f, tiles, rotate=rotate)
+                     **{m: d[m] for m in ROW_MAP})   # its own
+                for d in deal]
+    rows = even_tiles(f, tiles, rotate=rotate)   # (also where not one whole round fits: the same tiles as round_rows')
     folds = fold_pieces(task, x, [(h, "h")], parts, tp, x_out, len(rows))
     return [dict(h=sub(h, lo, hi - lo), w_gate=sub(wg, lo * k, (hi - lo) * k), w_up=sub(wu, lo * k, (hi - lo) * k),
                  x=x, norm_weight=g, n=hi - lo, k=k, flags=flags, eps=float(eps), **fd, **NO_ROW_MAP,
@@ -216,9 +217,9 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
             for (lo, hi), fd in zip(rows, folds)]
 
 
-# gate_up_silu's row map (tasks/tiling.py round_rows): local row g < row_full is (g >> row_wlog) * row_stride +
-# row_first + g % 2^row_wlog, later ones row_tail + g - row_full. Contiguous tiles: g itself.
-ROW_MAP = ("row_first", "row_stride", "row_full", "row_tail", "row_wlog")
+# gate_up_silu's row map (tasks/tiling.py round_rows): local row g < row_full is (g // row_width) * row_stride +
+# row_first + g % row_width, later ones row_tail + g - row_full. Contiguous tiles: g itself.
+ROW_MAP = ("row_first", "row_stride", "row_full", "row_tail", "row_width")
 NO_ROW_MAP = dict.fromkeys(ROW_MAP, 0)
 
 
@@ -227,20 +228,17 @@ def _gate_up_rows(p) -> torch.Tensor:
     g = torch.arange(p.n)
     if not p.row_full:
         return g + p.row_tail
-    full = (g >> p.row_wlog) * p.row_stride + p.row_first + (g & ((1 << p.row_wlog) - 1))
+    full = (g // p.row_width) * p.row_stride + p.row_first + g % p.row_width
     return torch.where(g < p.row_full, full, p.row_tail + g - p.row_full)
 
 
 def _gate_up_writes(params) -> dict:
-    """h's elements an instance writes: its rows, as ranges (dealt in rounds, they are not the whole ref)."""
-    if not params["row_full"]:
-        return {}
-    w = 1 << params["row_wlog"]
-    ranges = [(j * params["row_stride"] + params["row_first"], j * params["row_stride"] + params["row_first"] + w)
-              for j in range(params["row_full"] // w)]
-    tail = params["n"] - params["row_full"]
-    if tail:
-        ranges.append((params["row_tail"], params["row_tail"] + tail))
+    """h's elements an instance writes: its rows, as ranges (dealt in rounds, they are not the whole ref; a
+    contiguous tile's are [0, n), its whole ref)."""
+    w, full, first, stride = params["row_width"], params["row_full"], params["row_first"], params["row_stride"]
+    ranges = [(j * stride + first, j * stride + first + w) for j in range(full // w)] if full else []
+    if params["n"] > full:
+        ranges.append((params["row_tail"], params["row_tail"] + params["n"] - full))
     return {"h": ranges}
 
 
@@ -272,12 +270,12 @@ register(TaskType(
             scalar("n"), scalar("k"), scalar("flags"), scalar("eps", "f32"), *FOLD_PARAMS, *map(scalar, ROW_MAP)),
     writes_of=_gate_up_writes,
     source=source("gate_up_silu"), headers=HEADERS, reference=_gate_up_ref, split=_gate_up_split, cost=_gate_up_cost,
-    prefetch=True, **RING, macros_for=matvec_macros(lambda p: p["n"], rounds=lambda p: (1 << p["row_wlog"]) if p["row_full"] else 0),
+    prefetch=True, **RING, macros_for=matvec_macros(lambda p: p["n"], rounds=lambda p: p["row_width"] if p["row_full"] else 0),
     doc="h[F] = silu(Wg[F,K] x) * (Wu[F,K] x), gate and up kept in fp32 registers (never stored); optional "
         "RMSNorm prologue as gemv_m1. With parts (tp f32 slots of K) and x_out, a tensor-parallel all-reduce is "
         "folded in: x + parts[0] + ... + parts[tp-1] (rank order, one bf16 rounding, as tp_sum_f32) is what is "
         "normalised, and each instance stores its piece of that sum to x_out. Tiles over F (rotate = r: the tiles "
-        "one row larger are those from instance r on). rounds = W (a power of two) deals F in rounds instead: round j gives "
+        "one row larger are those from instance r on). rounds = W deals F in rounds instead: round j gives "
         "instance i rows [j*W*T + i*W, +W) for as many whole rounds as fit (T instances), the rest as contiguous "
         "tiles; with W = the CTA's warp count the call then finishes h front to back (a reader of h in pieces, "
         "down, finds its first pieces complete early)."), builtin=True)
@@ -293,7 +291,7 @@ register(TaskType(
     writes_of=_gate_up_writes,
     source=source("gate_up_silu_fp8"), headers=HEADERS, reference=_gate_up_ref,
     split=lambda nw, tiles=1, **kw: _gate_up_split(nw, tiles, task="gate_up_silu_fp8", **kw), cost=_gate_up_cost,
-    prefetch=True, **RING, macros_for=matvec_macros(lambda p: p["n"], rounds=lambda p: (1 << p["row_wlog"]) if p["row_full"] else 0),
+    prefetch=True, **RING, macros_for=matvec_macros(lambda p: p["n"], rounds=lambda p: p["row_width"] if p["row_full"] else 0),
     doc="h[F] = silu(s_gate[F] * (Wg8[F,K] x)) * (s_up[F] * (Wu8[F,K] x)): gate_up_silu with pre-quantised e4m3 "
         "weights and per-row f32 scales (gemv_m1_fp8's format), gate and up kept in fp32. K must be a "
         "multiple of 16. Tiles over F."), builtin=True)

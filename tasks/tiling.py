@@ -43,11 +43,11 @@ def round_rows(n: int, tiles: int, width: int, rotate: int = 0) -> list[dict]:
     (even_tiles, `rotate` as there). An instance whose compute warps walk its rows in order (warp w takes rows w,
     w + width, ... at width = the warp count) then finishes [0, n) front to back with every other instance, so
     a consumer that reads the output in pieces finds its first pieces complete long before the call ends.
-    Each dict: `n` (the instance's rows), its row map (row_first, row_stride, row_full, row_tail, row_wlog: local
-    row g < row_full is (g >> row_wlog) * row_stride + row_first + g % width, later ones row_tail + g - row_full)
+    Each dict: `n` (the instance's rows), its row map (row_first, row_stride, row_full, row_tail, row_width: local
+    row g < row_full is (g // width) * row_stride + row_first + g % width, later ones row_tail + g - row_full)
     and `ranges`, the [lo, hi) row ranges it covers."""
-    if width < 1 or width & (width - 1):
-        raise GraphError(f"the round width must be a power of two >= 1, got {width}")
+    if width < 1:
+        raise GraphError(f"the round width must be >= 1, got {width}")
     tiles = max(1, min(tiles, n))
     rounds = n // (width * tiles)
     stride = width * tiles
@@ -62,5 +62,5 @@ def round_rows(n: int, tiles: int, width: int, rotate: int = 0) -> list[dict]:
         if not ranges:
             continue
         out.append(dict(n=rounds * width + hi - lo, row_first=i * width, row_stride=stride, row_full=rounds * width,
-                        row_tail=done + lo, row_wlog=width.bit_length() - 1, ranges=ranges))
+                        row_tail=done + lo, row_width=width, ranges=ranges))
     return out

@@ -313,8 +313,9 @@ def test_round_rows_deal_every_row_once_in_rounds():
         assert max(d["n"] for d in deal) - min(d["n"] for d in deal) <= 1
     d = round_rows(1000, 7, 8)      # 17 rounds of 56 rows, then 48 rows as 7 tails of 7 or 6
     assert d[2]["ranges"][:2] == [(16, 24), (72, 80)] and d[2]["ranges"][-1] == (952 + 14, 952 + 21)
-    with pytest.raises(GraphError, match="power of two"):
-        round_rows(64, 4, 3)
+    assert [d["n"] for d in round_rows(100, 3, 12)] == [34, 33, 33]     # (any width: 2 rounds of 36, then tails)
+    with pytest.raises(GraphError, match="round width must be >= 1"):
+        round_rows(64, 4, 0)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -351,12 +352,27 @@ def test_gate_up_silu_in_rounds(fp8, stream):
     assert torch.equal(outs[0][1], outs[8][1]) and torch.equal(outs[0][0], outs[8][0])
 
 
+def test_gate_up_silu_rounds_fall_back_to_tiles_where_no_round_fits():
+    """rounds=W with F < W * tiles: not one whole round fits, so the call deals round_rows' contiguous tails, which
+    are even_tiles' tiles: the contiguous call itself (its refs, no row map, no MEGART_DENSE_ROW_ROUNDS)."""
+    pk = kernel(4)
+    T = pk.tensor
+    args = dict(w_gate=T(torch.zeros(20, 64, dtype=torch.bfloat16), "wg"), w_up=T(torch.zeros(20, 64, dtype=torch.bfloat16), "wu"),
+                x=T(torch.zeros(64, dtype=torch.bfloat16), "x"), tiles=3)
+    a = pk.task("gate_up_silu", h=T(tagged.empty(20), "h", tagged=True), rounds=8, **args)
+    b = pk.task("gate_up_silu", h=T(tagged.empty(20), "h2", tagged=True), **args)
+    pa, pb = ([pk.graph.instances[u].params for u in g.uids] for g in (a, b))
+    assert [p["n"] for p in pa] == [7, 7, 6] and [(p["h"].offset, p["row_full"]) for p in pa] == [(0, 0), (7, 0), (14, 0)]
+    assert [{k: v for k, v in p.items() if k != "h"} for p in pa] == [{k: v for k, v in p.items() if k != "h"} for p in pb]
+    assert "MEGART_DENSE_ROW_ROUNDS" not in pk.kernel_config().defines
+
+
 def test_gate_up_silu_rounds_rejects():
     pk = kernel(4)
     T = pk.tensor
     args = dict(h=T(torch.zeros(16, dtype=torch.bfloat16), "h"), w_gate=T(torch.zeros(16, 64, dtype=torch.bfloat16), "wg"),
                 w_up=T(torch.zeros(16, 64, dtype=torch.bfloat16), "wu"), x=T(torch.zeros(64, dtype=torch.bfloat16), "x"))
-    for bad in (-1, 3, 1.0, True):
+    for bad in (-1, 1.0, True):
         with pytest.raises(GraphError, match="rounds must be"):
             pk.task("gate_up_silu", **args, rounds=bad)
     with pytest.raises(GraphError, match="does not take parts"):

@@ -168,9 +168,9 @@ class LlamaModel:
         if parts > 1 and cfg.wdtype == "fp8":
             raise ValueError("tiles['gate_up_parts'] applies to the bf16 gate_up_silu; this model's weights are fp8")
         rounds = self.tiles["gate_up_rounds"]
-        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0 or rounds & (rounds - 1):
-            raise ValueError(f"tiles['gate_up_rounds'] must be 0 (contiguous tiles) or a power of two (h's rows per "
-                             f"gate_up instance per round), got {rounds!r}")
+        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
+            raise ValueError(f"tiles['gate_up_rounds'] must be 0 (contiguous tiles) or h's rows per gate_up instance "
+                             f"per round (>= 1), got {rounds!r}")
         self.deps = deps
         self.kv_refs = kv_refs
         self.attn_merge = attn_merge

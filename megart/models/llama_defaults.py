@@ -57,11 +57,10 @@ def gate_up_rounds_default(cfg: LlamaConfig, threads: int) -> int:
     warp (gate_up_silu's rounds), so the call completes h front to back and down begins on its first pieces early
     (H100, one process: 1b -8.5 us/step at 2k, -10.5 at 128 tokens, -8.3 at 32k, block8b -3.8, small level;
     bench/RESULTS.md, thirty-eighth session). 0 (contiguous tiles) for fp8 weights (1b_fp8_all, 12 warps in rounds
-    of 8: +2 to +3 us), where the warp count is not a power of two, or past the row map's 65,535 rows."""
-    warps = threads // 32
-    if cfg.wdtype == "fp8" or warps & (warps - 1) or cfg.ffn >= 1 << 16:
+    of 8: +2 to +3 us; rounds of 12 not measured) or past the row map's 65,535 rows."""
+    if cfg.wdtype == "fp8" or cfg.ffn >= 1 << 16:
         return 0
-    return warps
+    return threads // 32
 
 
 def gate_up_part_align(cfg: LlamaConfig) -> int:
