@@ -204,10 +204,10 @@ def _gate_up_split(nw, tiles=1, h=None, w_gate=None, w_up=None, x=None, norm_wei
     fold = FLAG_PARTS if parts is not None else 0
     flags = (FLAG_NORM if g is not None else 0) | fold | tagged_flags(x=x, out=h)
     deal = round_rows(f, tiles, rounds, rotate) if rounds else []
-    if any(d["row_full"] for d in deal):   # every instance sees the whole tensors; its row map says which rows are
+    if any(d["row_full"] for d in deal):   # every instance sees the whole tensors; its row map names its rows
         return [dict(h=h, w_gate=wg, w_up=wu, x=x, norm_weight=g, n=d["n"], k=k, flags=flags, eps=float(eps),
                      **fold_pieces(task, x, [], None, 0, None, 1)[0], **scales,
-                     **{m: d[m] for m in ROW_MAP})   # its own
+                     **{m: d[m] for m in ROW_MAP})
                 for d in deal]
     rows = even_tiles(f, tiles, rotate=rotate)   # (also where not one whole round fits: the same tiles as round_rows')
     folds = fold_pieces(task, x, [(h, "h")], parts, tp, x_out, len(rows))
