@@ -105,7 +105,8 @@ def matvec_macros(pairs, tagged_x=None, rounds=None):
     path (gemv_m1, gemv_m1_fp8: tagged_x given), MEGART_DENSE_TAGGED_X=1 when one instance reads a tagged x
     (tagged_x(p)), else 0: only such an x is staged in pieces (MEGART_DENSE_X_PIECES), and a kernel without one
     leaves that code out (with the K-split path, it made the dense engines' kernels spill). For gate_up_silu
-    (rounds given), MEGART_DENSE_ROW_ROUNDS=1 when an instance's rows are dealt in rounds (rounds(p))."""
+    (rounds given: an instance's round width, 0 for contiguous rows), MEGART_DENSE_ROW_ROUNDS = that width where an
+    instance deals its rows in rounds; the type's instances in one kernel must share it."""
     def macros(params, threads: int) -> dict:
         least = whole_pairs_from(threads)
         out = {"MEGART_DENSE_KSPLIT": int(any(pairs(p) < least for p in params))}

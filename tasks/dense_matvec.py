@@ -15,7 +15,7 @@ from .dense_common import (source, defines_for, matvec_macros, tagged_flag, smem
                            STAGE_SMEM, aligned, check_k, tagged_flags, disjoint, nbytes, opt_ref, overlaps, ref, shape_of, silu, stage_x, sub,
                            wrappers, fold_pieces, fold_ref, FOLD_PARAMS)
 from .shapes import check_shape
-from .tiling import even_tiles, require, round_rows
+from .tiling import even_tiles, map_ranges, require, round_rows
 
 # GEMV types whose weights stream through the shared-memory ring (tasks/dense_engines.cuh): every type here
 # (group_gemm_m1 too: its active experts are a build-time list, so its rows are known before its wait).
@@ -235,11 +235,7 @@ def _gate_up_rows(p) -> torch.Tensor:
 def _gate_up_writes(params) -> dict:
     """h's elements an instance writes: its rows, as ranges (dealt in rounds, they are not the whole ref; a
     contiguous tile's are [0, n), its whole ref)."""
-    w, full, first, stride = params["row_width"], params["row_full"], params["row_first"], params["row_stride"]
-    ranges = [(j * stride + first, j * stride + first + w) for j in range(full // w)] if full else []
-    if params["n"] > full:
-        ranges.append((params["row_tail"], params["row_tail"] + params["n"] - full))
-    return {"h": ranges}
+    return {"h": map_ranges(params)}
 
 
 def _gate_up_ref(p) -> None:

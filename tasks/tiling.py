@@ -45,7 +45,7 @@ def round_rows(n: int, tiles: int, width: int, rotate: int = 0) -> list[dict]:
     a consumer that reads the output in pieces finds its first pieces complete long before the call ends.
     Each dict: `n` (the instance's rows), its row map (row_first, row_stride, row_full, row_tail, row_width: local
     row g < row_full is (g // width) * row_stride + row_first + g % width, later ones row_tail + g - row_full)
-    and `ranges`, the [lo, hi) row ranges it covers."""
+    and `ranges`, the [lo, hi) row ranges it covers (map_ranges)."""
     if width < 1:
         raise GraphError(f"the round width must be >= 1, got {width}")
     tiles = max(1, min(tiles, n))
@@ -56,11 +56,18 @@ def round_rows(n: int, tiles: int, width: int, rotate: int = 0) -> list[dict]:
     out = []
     for i in range(tiles):
         lo, hi = tails[i] if i < len(tails) else (0, 0)
-        ranges = [(j * stride + i * width, j * stride + (i + 1) * width) for j in range(rounds)]
-        if hi > lo:
-            ranges.append((done + lo, done + hi))
-        if not ranges:
-            continue
-        out.append(dict(n=rounds * width + hi - lo, row_first=i * width, row_stride=stride, row_full=rounds * width,
-                        row_tail=done + lo, row_width=width, ranges=ranges))
+        if rounds or hi > lo:
+            d = dict(n=rounds * width + hi - lo, row_first=i * width, row_stride=stride, row_full=rounds * width,
+                     row_tail=done + lo, row_width=width)
+            out.append({**d, "ranges": map_ranges(d)})
     return out
+
+
+def map_ranges(m) -> list[tuple[int, int]]:
+    """The [lo, hi) row ranges of a row map (round_rows' keys: n, row_first, row_stride, row_full, row_tail,
+    row_width): one per whole round, then the tail; a map with no rounds is [row_tail, row_tail + n)."""
+    w, full, first, stride = m["row_width"], m["row_full"], m["row_first"], m["row_stride"]
+    ranges = [(j * stride + first, j * stride + first + w) for j in range(full // w)] if full else []
+    if m["n"] > full:
+        ranges.append((m["row_tail"], m["row_tail"] + m["n"] - full))
+    return ranges
